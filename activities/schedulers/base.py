@@ -1,0 +1,116 @@
+"""The scheduler-adapter interface every scheduler (local, SLURM, MOAB, OOD) implements.
+
+Adapters are plain async classes with injected configuration; activities call them and translate their domain
+exceptions (``virtengine_hpc.errors``) into Temporal errors. The contract, which the adapter test-suites check:
+
+* ``submit`` is idempotent by ``workflow_id``: the scheduler job carries the workflow id (job name or comment), and
+  a retried submit first looks the job up and adopts it (DESIGN.md invariant 2).
+* ``status_batch`` answers for many jobs with one scheduler query (invariant 4). A job the queue no longer shows is
+  looked up in accounting; a job found nowhere is reported with ``found=False`` and never assumed completed
+  (invariant 5). A failed query raises ``SchedulerUnavailable``: it is never a state change.
+* ``usage`` returns cumulative usage since the job started (monotone), final once the job ended, so that period
+  records are differences of cumulative readings and add up to the final accounting.
+* ``cancel`` of a job that already ended is not an error.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Callable, Iterable
+from datetime import datetime
+from typing import ClassVar
+
+from pydantic import Field
+
+from virtengine_hpc.models import JobSpec, Model, UsageMetrics
+from virtengine_hpc.states import JobState
+
+
+class SubmitRequest(Model):
+    workflow_id: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
+    job: JobSpec
+    body: str = Field(description="The job's program: the tenant's script or the rendered template body.")
+    partition: str | None = Field(None, description="Partition/queue after defaults were applied.")
+
+
+class SubmitResult(Model):
+    scheduler_job_id: str
+    adopted: bool = Field(False, description="True when a job submitted by an earlier attempt was found.")
+
+
+class NativeStatus(Model):
+    """One job's status as the scheduler sees it, mapped to the nine job states."""
+
+    scheduler_job_id: str
+    found: bool = True
+    state: JobState = JobState.QUEUED
+    native_state: str = ""
+    reason: str = ""
+    exit_code: int | None = None
+    start_time: datetime | None = None
+    end_time: datetime | None = None
+
+
+class Accounting(Model):
+    """Cumulative usage of a job since it started; ``final`` once the scheduler closed its record."""
+
+    scheduler_job_id: str
+    final: bool = False
+    metrics: UsageMetrics = Field(default_factory=UsageMetrics)
+    start_time: datetime | None = None
+    end_time: datetime | None = None
+
+
+class SchedulerAdapter(abc.ABC):
+    """Base of every scheduler adapter. Subclasses register themselves by ``name``."""
+
+    name: ClassVar[str] = ""
+    #: How the template renderer launches parallel tasks on this scheduler (``srun``, ``mpirun``).
+    mpi_launcher: ClassVar[str] = "mpirun"
+
+    @abc.abstractmethod
+    async def submit(self, request: SubmitRequest) -> SubmitResult:
+        """Submit the job, or adopt the job an earlier attempt already submitted for ``request.workflow_id``."""
+
+    @abc.abstractmethod
+    async def find(self, workflow_id: str) -> str | None:
+        """The scheduler job id that carries ``workflow_id``, if any (queue or accounting)."""
+
+    @abc.abstractmethod
+    async def status_batch(self, scheduler_job_ids: Iterable[str]) -> dict[str, NativeStatus]:
+        """Status of all the given jobs from one scheduler query (plus one accounting query for vanished ones)."""
+
+    @abc.abstractmethod
+    async def cancel(self, scheduler_job_id: str) -> None:
+        """Cancel the job; a job that already ended is not an error."""
+
+    @abc.abstractmethod
+    async def usage(self, scheduler_job_id: str) -> Accounting:
+        """Cumulative usage so far (final when the job ended)."""
+
+    async def drain_node(self, node: str, reason: str) -> None:
+        raise NotImplementedError(f"{self.name} cannot drain nodes")
+
+    async def resume_node(self, node: str) -> None:
+        raise NotImplementedError(f"{self.name} cannot resume nodes")
+
+    async def close(self) -> None:
+        """Release connections (SSH sessions, HTTP pools)."""
+
+
+_REGISTRY: dict[str, Callable[..., SchedulerAdapter]] = {}
+
+
+def register(name: str) -> Callable[[type[SchedulerAdapter]], type[SchedulerAdapter]]:
+    """Class decorator: make an adapter constructible by name from the config's ``scheduler_type``."""
+
+    def wrap(cls: type[SchedulerAdapter]) -> type[SchedulerAdapter]:
+        cls.name = name
+        _REGISTRY[name] = cls
+        return cls
+
+    return wrap
+
+
+def registered() -> dict[str, Callable[..., SchedulerAdapter]]:
+    return dict(_REGISTRY)
