@@ -220,12 +220,49 @@ class ProviderConfig(Section):
     address: str = Field("virtengine1provider0local", pattern=r"^[A-Za-z0-9_.-]{1,128}$")
 
 
+class NodesConfig(Section):
+    """The provider's node API and the node lifecycle (``docs/node-agent.md``)."""
+
+    listen_host: str = Field(
+        "127.0.0.1", pattern=r"^[A-Za-z0-9_.:-]{1,253}$", description="Node API bind address."
+    )
+    listen_port: int = Field(8081, ge=1, le=65535, description="Node API port.")
+    stale_after: Duration = Field(
+        timedelta(seconds=120), description="Silence after which an active node becomes stale (drained)."
+    )
+    offline_after: Duration = Field(
+        timedelta(seconds=300), description="Silence after which a node becomes offline."
+    )
+    max_clock_skew: Duration = Field(
+        timedelta(seconds=60), description="How far a heartbeat's timestamp may be from the provider's clock."
+    )
+    metadata_interval: Duration = Field(
+        timedelta(minutes=5),
+        description="At most one metadata update per node per interval (plus state changes).",
+    )
+    drain_poll_interval: Duration = Field(
+        timedelta(seconds=30), description="How often a draining node is checked for running jobs."
+    )
+    audit_rate_window: Duration = Field(
+        timedelta(seconds=10),
+        description="Repeated identical rejections (same node, same reason) are audited once per window.",
+    )
+    max_body_bytes: int = Field(65536, ge=1024, le=16 * 1024 * 1024, description="Largest accepted request.")
+
+    @model_validator(mode="after")
+    def _offline_after_stale(self) -> NodesConfig:
+        if self.offline_after <= self.stale_after:
+            raise ValueError("nodes.offline_after must be longer than nodes.stale_after")
+        return self
+
+
 class Config(Section):
     hpc: HPCConfig = Field(default_factory=HPCConfig)
     routing: RoutingConfig = Field(default_factory=RoutingConfig)
     temporal: TemporalConfig = Field(default_factory=TemporalConfig)
     chain: ChainConfig = Field(default_factory=ChainConfig)
     provider: ProviderConfig = Field(default_factory=ProviderConfig)
+    nodes: NodesConfig = Field(default_factory=NodesConfig)
 
     @model_validator(mode="after")
     def _jwt_needs_rest(self) -> Config:
