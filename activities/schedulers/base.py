@@ -22,6 +22,7 @@ from typing import ClassVar
 
 from pydantic import Field
 
+from virtengine_hpc.config import Config, Secrets
 from virtengine_hpc.models import JobSpec, Model, UsageMetrics
 from virtengine_hpc.states import JobState
 
@@ -67,6 +68,11 @@ class SchedulerAdapter(abc.ABC):
     name: ClassVar[str] = ""
     #: How the template renderer launches parallel tasks on this scheduler (``srun``, ``mpirun``).
     mpi_launcher: ClassVar[str] = "mpirun"
+
+    @classmethod
+    def from_config(cls, config: Config, secrets: Secrets, cluster_id: str) -> SchedulerAdapter:
+        """Build the adapter for ``cluster_id`` from the worker's config and the environment's secrets."""
+        raise NotImplementedError(f"{cls.__name__} cannot be built from the config")
 
     @abc.abstractmethod
     async def submit(self, request: SubmitRequest) -> SubmitResult:

@@ -1,0 +1,427 @@
+"""Activities of the job workflow: route, submit, watch, cancel, report transitions, report usage.
+
+All I/O of a job happens here, in methods of ``JobActivities`` whose dependencies (scheduler adapters per cluster,
+chain client, signer, audit log, config) are injected by the worker (STYLE.md item 4). Domain errors are translated
+at this boundary into ``ApplicationError`` with ``type`` = the error class and ``non_retryable`` = not transient.
+Expected refusals (a malformed job, a routing rejection) are returned as outcomes, not raised, so the workflow can
+report them.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable, Mapping
+from datetime import UTC, datetime, timedelta
+from typing import TypeVar
+
+from temporalio import activity
+from temporalio.exceptions import ApplicationError
+
+from activities.audit import AuditLog
+from activities.chain.client import AccountingReport, ChainClient, StatusReport
+from activities.routing import RoutingEnforcer
+from activities.schedulers.base import Accounting, SchedulerAdapter, SubmitRequest
+from activities.schedulers.batcher import StatusBatcher
+from virtengine_hpc.config import Config
+from virtengine_hpc.errors import ChainError, HPCError, JobNotFound, SchedulerError, ValidationError
+from virtengine_hpc.messages import (
+    CancelInput,
+    RouteOutcome,
+    RouteRequest,
+    SubmitInput,
+    SubmitOutput,
+    TransitionInput,
+    UsageInput,
+    UsageOutput,
+    WatchInput,
+    WatchOutput,
+)
+from virtengine_hpc.models import JobSpec, UsageMetrics, UsageRecord
+from virtengine_hpc.signing import Signer
+from virtengine_hpc.states import JobState
+from virtengine_hpc.usage import diff_metrics, normalize_metrics, record_id, sign_record, sum_metrics
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+BodyResolver = Callable[[JobSpec, SchedulerAdapter], Awaitable[str]]
+"""Turns a job into the program the scheduler runs: its script, or its template rendered for the adapter."""
+
+
+async def script_only_body(job: JobSpec, adapter: SchedulerAdapter) -> str:
+    if job.script is not None:
+        return job.script
+    raise ValidationError(f"unknown template {job.template_id!r}")
+
+
+def to_application_error(exc: HPCError) -> ApplicationError:
+    """Translate a domain error; the message and type are what operators and the chain see (never secrets)."""
+    details: dict[str, object] = {"code": exc.code}
+    if isinstance(exc, SchedulerError) and exc.exit_code is not None:
+        details["exit_code"] = exc.exit_code
+    return ApplicationError(str(exc), details, type=type(exc).__name__, non_retryable=not exc.transient)
+
+
+async def _translated(call: Awaitable[T]) -> T:
+    try:
+        return await call
+    except HPCError as exc:
+        raise to_application_error(exc) from None
+
+
+class JobActivities:
+    def __init__(
+        self,
+        *,
+        config: Config,
+        adapters: Mapping[str, SchedulerAdapter],
+        chain: ChainClient,
+        signer: Signer,
+        audit: AuditLog,
+        enforcer: RoutingEnforcer,
+        resolve_body: BodyResolver = script_only_body,
+    ) -> None:
+        self.config = config
+        self.adapters = dict(adapters)
+        self.chain = chain
+        self.signer = signer
+        self.audit = audit
+        self.enforcer = enforcer
+        self.resolve_body = resolve_body
+        self.batchers: dict[str, StatusBatcher] = {}
+
+    def adapter(self, cluster_id: str) -> SchedulerAdapter:
+        try:
+            return self.adapters[cluster_id]
+        except KeyError:
+            raise ApplicationError(
+                f"this worker has no scheduler adapter for cluster {cluster_id}", type="ConfigError"
+            ) from None
+
+    def batcher(self, cluster_id: str, interval: float) -> StatusBatcher:
+        if cluster_id not in self.batchers:
+            self.batchers[cluster_id] = StatusBatcher(self.adapter(cluster_id), interval)
+        return self.batchers[cluster_id]
+
+    # ---- routing and validation ---------------------------------------------------------------------------------
+
+    @activity.defn(name="route_job")
+    async def route_job(self, request: RouteRequest) -> RouteOutcome:
+        job = request.job
+        try:
+            adapter = self.adapter(request.cluster_id)
+            routed = await self.enforcer.enforce(job, request.cluster_id)
+            violations = routed.violations
+            if not routed.accepted:
+                return RouteOutcome(
+                    accepted=False, code="routing_rejected", message=routed.message, violations=violations
+                )
+            cluster = await self.chain.get_cluster(routed.cluster_id)
+            partition = job.partition
+            if cluster is not None and cluster.partitions:
+                part = cluster.partition(job.partition)
+                if part is None:
+                    raise ValidationError(
+                        f"partition {job.partition!r} does not exist on {cluster.cluster_id}"
+                    )
+                partition = part.name
+                _check_bounds(job, part.max_nodes, part.max_runtime_seconds)
+            body = await self.resolve_body(job, adapter)
+        except ValidationError as exc:
+            self.audit.record(
+                "job_validation_failed",
+                job_id=job.job_id,
+                cluster_id=request.cluster_id,
+                success=False,
+                error_msg=str(exc),
+            )
+            return RouteOutcome(accepted=False, code="validation_failed", message=str(exc))
+        except HPCError as exc:
+            raise to_application_error(exc) from None
+        return RouteOutcome(
+            accepted=True,
+            cluster_id=routed.cluster_id,
+            decision_id=routed.decision.decision_id if routed.decision else None,
+            is_fallback=routed.is_fallback,
+            violations=violations,
+            partition=partition,
+            body=body,
+        )
+
+    # ---- submission ---------------------------------------------------------------------------------------------
+
+    @activity.defn(name="submit_job")
+    async def submit_job(self, request: SubmitInput) -> SubmitOutput:
+        adapter = self.adapter(request.cluster_id)
+        info = activity.info()
+        try:
+            result = await adapter.submit(
+                SubmitRequest(
+                    workflow_id=request.workflow_id,
+                    job=request.job,
+                    body=request.body,
+                    partition=request.partition,
+                )
+            )
+        except HPCError as exc:
+            last = not exc.transient or (request.max_attempts and info.attempt >= request.max_attempts)
+            if last:
+                event = "job_max_retries_exceeded" if exc.transient else "job_submission_failed"
+                self.audit.record(
+                    event,
+                    job_id=request.job.job_id,
+                    cluster_id=request.cluster_id,
+                    success=False,
+                    error_msg=str(exc),
+                    details={"attempt": info.attempt, "code": exc.code},
+                )
+            raise to_application_error(exc) from None
+        self.audit.record(
+            "job_submitted",
+            job_id=request.job.job_id,
+            cluster_id=request.cluster_id,
+            details={
+                "scheduler_job_id": result.scheduler_job_id,
+                "adopted": result.adopted,
+                "attempt": info.attempt,
+            },
+        )
+        if result.adopted:
+            self.audit.record(
+                "state_recovered",
+                job_id=request.job.job_id,
+                cluster_id=request.cluster_id,
+                details={
+                    "scheduler_job_id": result.scheduler_job_id,
+                    "why": "submit retried; adopted existing job",
+                },
+            )
+        return SubmitOutput(scheduler_job_id=result.scheduler_job_id, adopted=result.adopted)
+
+    # ---- watching -----------------------------------------------------------------------------------------------
+
+    @activity.defn(name="watch_job")
+    async def watch_job(self, request: WatchInput) -> WatchOutput:
+        """Follow one job until its state changes or ``return_by``; heartbeats every poll (invariant 3).
+
+        Waiting happens here, not in the workflow, so a long job costs a handful of history events per report
+        period. Status comes from the worker's batched query; a failed query is retried at the next round and is
+        never a state change. A job the scheduler cannot find is given ``vanished_grace_seconds`` (accounting lags
+        behind the queue) before it is reported as not found.
+        """
+        batcher = self.batcher(request.cluster_id, request.poll_interval_seconds)
+        missing_since: datetime | None = None
+        while True:
+            now = datetime.now(UTC)
+            try:
+                status = await batcher.status(request.scheduler_job_id)
+            except SchedulerError as exc:
+                activity.heartbeat({"last_state": request.last_state.value, "error": str(exc)[:200]})
+                status = None
+            if status is not None:
+                if not status.found:
+                    missing_since = missing_since or now
+                    if (now - missing_since).total_seconds() >= request.vanished_grace_seconds:
+                        return WatchOutput(status=status, changed=True)
+                else:
+                    missing_since = None
+                    if status.state != request.last_state:
+                        return WatchOutput(status=status, changed=True)
+                activity.heartbeat({"last_state": status.state.value, "found": status.found})
+                if datetime.now(UTC) >= request.return_by:
+                    return WatchOutput(status=status, changed=False)
+            elif datetime.now(UTC) >= request.return_by:
+                raise ApplicationError("scheduler unreachable; watch retried", type="SchedulerUnavailable")
+
+    # ---- cancellation -------------------------------------------------------------------------------------------
+
+    @activity.defn(name="cancel_job")
+    async def cancel_job(self, request: CancelInput) -> None:
+        try:
+            await self.adapter(request.cluster_id).cancel(request.scheduler_job_id)
+        except HPCError as exc:
+            self.audit.record(
+                "job_cancellation_failed",
+                job_id=request.job_id,
+                cluster_id=request.cluster_id,
+                success=False,
+                error_msg=str(exc),
+            )
+            raise to_application_error(exc) from None
+        self.audit.record(
+            "job_cancelled",
+            job_id=request.job_id,
+            cluster_id=request.cluster_id,
+            details={"scheduler_job_id": request.scheduler_job_id, "reason": request.reason},
+        )
+
+    # ---- lifecycle reports --------------------------------------------------------------------------------------
+
+    @activity.defn(name="report_transition")
+    async def report_transition(self, request: TransitionInput) -> None:
+        """Lifecycle callback: audit ``job_lifecycle_event`` and report the new state to the chain."""
+        details = {
+            "from": request.old_state.value,
+            "to": request.new_state.value,
+            "event": request.event.value if request.event else None,
+            "scheduler_job_id": request.scheduler_job_id,
+            "message": request.message,
+            "exit_code": request.exit_code,
+        }
+        if activity.info().attempt == 1:
+            self.audit.record(
+                "job_lifecycle_event", job_id=request.job_id, cluster_id=request.cluster_id, details=details
+            )
+        try:
+            await self.chain.report_status(
+                StatusReport(
+                    job_id=request.job_id,
+                    state=request.new_state,
+                    message=request.message[:1024],
+                    exit_code=request.exit_code,
+                    scheduler_job_id=request.scheduler_job_id,
+                    cluster_id=request.cluster_id,
+                )
+            )
+        except HPCError as exc:
+            self.audit.record(
+                "status_report_failed",
+                job_id=request.job_id,
+                cluster_id=request.cluster_id,
+                success=False,
+                error_msg=str(exc),
+                details={"state": request.new_state.value},
+            )
+            raise to_application_error(exc) from None
+        self.audit.record(
+            "status_reported",
+            job_id=request.job_id,
+            cluster_id=request.cluster_id,
+            details={"state": request.new_state.value},
+        )
+
+    # ---- usage --------------------------------------------------------------------------------------------------
+
+    @activity.defn(name="report_usage")
+    async def report_usage(self, request: UsageInput) -> UsageOutput:
+        """Sign and send one usage record (and, when final, the accounting that settles the job).
+
+        Idempotent: the record id is deterministic, and a retry that finds its record already on chain adopts it
+        instead of signing a second, different reading under the same id.
+        """
+        job = request.job
+        rid = record_id(request.cluster_id, job.job_id, request.sequence)
+        try:
+            existing = await self.chain.get_usage_record(rid)
+            if existing is not None:
+                record = existing
+                cumulative = _add(request.previous_cumulative, record)
+            else:
+                record, cumulative = await self._new_record(request, rid)
+                result = await self.chain.submit_usage([record])
+                if rid not in result.accepted and rid not in result.duplicates:
+                    raise ChainError(f"chain did not take usage record {rid}", transient=True)
+                self.audit.record(
+                    "usage_reported",
+                    job_id=job.job_id,
+                    cluster_id=request.cluster_id,
+                    details={
+                        "record_id": rid,
+                        "is_final": request.is_final,
+                        "state": request.job_state.value,
+                    },
+                )
+            output = UsageOutput(record_id=rid, cumulative=cumulative, period_end=record.period_end)
+            if request.is_final and request.report_accounting:
+                settlement = await self.chain.report_accounting(
+                    AccountingReport(
+                        job_id=job.job_id,
+                        cluster_id=request.cluster_id,
+                        totals=cumulative,
+                        final_record_id=rid,
+                        record_count=request.sequence,
+                    )
+                )
+                self.audit.record(
+                    "accounting_reported",
+                    job_id=job.job_id,
+                    cluster_id=request.cluster_id,
+                    details={"final_record_id": rid, "records": request.sequence},
+                )
+                self.audit.record(
+                    "settlement_completed",
+                    job_id=job.job_id,
+                    cluster_id=request.cluster_id,
+                    details={"charged": str(settlement.charged), "refunded": str(settlement.refunded)},
+                )
+                output = output.model_copy(
+                    update={"charged": str(settlement.charged), "refunded": str(settlement.refunded)}
+                )
+            return output
+        except HPCError as exc:
+            final_attempt = request.max_attempts and activity.info().attempt >= request.max_attempts
+            if not exc.transient or final_attempt:
+                event = "accounting_report_failed" if request.report_accounting else "usage_report_failed"
+                self.audit.record(
+                    event,
+                    job_id=job.job_id,
+                    cluster_id=request.cluster_id,
+                    success=False,
+                    error_msg=str(exc),
+                    details={"record_id": rid},
+                )
+            raise to_application_error(exc) from None
+
+    async def _new_record(self, request: UsageInput, rid: str) -> tuple[UsageRecord, UsageMetrics]:
+        adapter = self.adapter(request.cluster_id)
+        try:
+            accounting = await adapter.usage(request.scheduler_job_id)
+        except JobNotFound:
+            if not request.accept_partial:
+                raise
+            accounting = Accounting(scheduler_job_id=request.scheduler_job_id, metrics=request.previous_cumulative)
+        if request.is_final and not accounting.final and not request.accept_partial:
+            # Accounting lags behind the queue (sacct): try again shortly rather than sign a partial reading.
+            raise SchedulerError("final accounting not available yet", transient=True)
+        cumulative = normalize_metrics(accounting.metrics)
+        period_end = datetime.now(UTC)
+        if accounting.end_time is not None and request.is_final:
+            period_end = max(accounting.end_time, request.period_start)
+        period_end = max(period_end, request.period_start)
+        metrics = diff_metrics(cumulative, request.previous_cumulative)
+        record = UsageRecord(
+            record_id=rid,
+            job_id=request.job.job_id,
+            cluster_id=request.cluster_id,
+            scheduler_job_id=request.scheduler_job_id,
+            provider=request.job.provider,
+            tenant=request.job.tenant,
+            sequence=request.sequence,
+            period_start=request.period_start,
+            period_end=period_end,
+            job_state=request.job_state,
+            is_final=request.is_final,
+            metrics=metrics,
+            created_at=datetime.now(UTC),
+            key_id=self.signer.key_id,
+        )
+        signed = sign_record(record, self.signer)
+        # What the chain now holds adds up: previous records + this one.
+        return signed, sum_metrics([request.previous_cumulative, metrics])
+
+
+def _add(previous: UsageMetrics, record: UsageRecord) -> UsageMetrics:
+    return sum_metrics([previous, record.metrics])
+
+
+def _check_bounds(job: JobSpec, max_nodes: int, max_runtime_seconds: int) -> None:
+    if job.resources.nodes > max_nodes:
+        raise ValidationError(f"job asks for {job.resources.nodes} nodes; the partition allows {max_nodes}")
+    if job.walltime_seconds > max_runtime_seconds:
+        raise ValidationError(
+            f"walltime {timedelta(seconds=job.walltime_seconds)} exceeds the partition's "
+            f"{timedelta(seconds=max_runtime_seconds)}"
+        )
+
+
+__all__ = ["BodyResolver", "JobActivities", "script_only_body", "to_application_error"]

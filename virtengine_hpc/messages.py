@@ -1,0 +1,207 @@
+"""The one-model-in, one-model-out messages of the job workflow and its activities (STYLE.md item 3).
+
+Everything a workflow needs arrives in its input (settings derived from the worker's config), so workflows never
+read configuration, clocks or the environment. Adding a field with a default is a compatible change; removing or
+renaming one is not (replay tests in ``tests/histories`` catch it).
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Literal
+
+from pydantic import Field
+
+from activities.schedulers.base import NativeStatus
+from virtengine_hpc.models import JobSpec, Model, UsageMetrics
+from virtengine_hpc.states import JobState, LifecycleEvent
+
+JOB_WORKFLOW_NAME = "HPCJobWorkflow"
+
+
+class RetrySettings(Model):
+    max_retries: int = 3
+    initial_backoff_seconds: float = 1.0
+    max_backoff_seconds: float = 30.0
+    backoff_multiplier: float = 2.0
+
+
+class JobSettings(Model):
+    """What the workflow needs from the worker's config, fixed when the workflow starts."""
+
+    poll_interval_seconds: float = 15.0
+    report_interval_seconds: float = 300.0
+    usage_enabled: bool = True
+    retry_on_failure: bool = True
+    job_timeout_default_seconds: float = 86400.0
+    walltime_grace_seconds: float = 120.0
+    vanished_grace_seconds: float = 120.0
+    retry: RetrySettings = Field(default_factory=RetrySettings)
+    max_watch_seconds: float = 3600.0
+    continue_as_new_after_events: int = 8000
+
+
+class Carried(Model):
+    """Workflow state carried across continue-as-new."""
+
+    state: JobState
+    cluster_id: str
+    scheduler_job_id: str | None = None
+    next_sequence: int = 1
+    last_cumulative: UsageMetrics = Field(default_factory=UsageMetrics)
+    last_report_at: datetime | None = None
+    submitted_at: datetime | None = None
+    started_at: datetime | None = None
+    cancel_requested: bool = False
+    cancel_reason: str = ""
+    cancel_sent: bool = False
+    status_message: str = ""
+    exit_code: int | None = None
+    forced_final: JobState | None = Field(None, description="Final state the provider imposes (deadline).")
+    forced_message: str = ""
+    deadline_grace_until: datetime | None = None
+
+
+class JobWorkflowInput(Model):
+    job: JobSpec
+    cluster_id: str = Field(description="The cluster this worker serves (its task queue).")
+    provider: str
+    settings: JobSettings = Field(default_factory=JobSettings)
+    carried: Carried | None = None
+
+
+class JobResult(Model):
+    job_id: str
+    state: JobState
+    message: str = ""
+    exit_code: int | None = None
+    scheduler_job_id: str | None = None
+    usage_records: int = 0
+    final_record_id: str | None = None
+    charged: str | None = None
+    refunded: str | None = None
+
+
+class JobStatusView(Model):
+    """What the ``status`` query returns."""
+
+    job_id: str
+    state: JobState
+    cluster_id: str
+    scheduler_job_id: str | None = None
+    message: str = ""
+    exit_code: int | None = None
+    usage_records: int = 0
+    cancel_requested: bool = False
+    submitted_at: datetime | None = None
+    started_at: datetime | None = None
+
+
+class CancelRequest(Model):
+    reason: str = Field("cancelled by the tenant", max_length=512)
+
+
+# ---- activities -------------------------------------------------------------------------------------------------
+
+
+class RouteRequest(Model):
+    job: JobSpec
+    cluster_id: str
+    workflow_id: str
+
+
+class Violation(Model):
+    type: Literal[
+        "missing_decision",
+        "stale_decision",
+        "cluster_mismatch",
+        "cluster_unavailable",
+        "capacity_exceeded",
+        "unauthorized_fallback",
+    ]
+    severity: int
+    message: str
+
+
+class RouteOutcome(Model):
+    accepted: bool
+    code: str = Field("", description="Why it was refused: validation_failed or routing_rejected.")
+    message: str = ""
+    cluster_id: str = ""
+    decision_id: str | None = None
+    is_fallback: bool = False
+    violations: list[Violation] = Field(default_factory=list)
+    partition: str | None = None
+    body: str = Field("", description="The job's program (script or rendered template).")
+
+
+class SubmitInput(Model):
+    workflow_id: str
+    job: JobSpec
+    cluster_id: str
+    partition: str | None = None
+    body: str
+    max_attempts: int = 4
+
+
+class SubmitOutput(Model):
+    scheduler_job_id: str
+    adopted: bool = False
+
+
+class WatchInput(Model):
+    job_id: str
+    cluster_id: str
+    scheduler_job_id: str
+    last_state: JobState
+    return_by: datetime = Field(description="Return at this time even without a change (report due, deadline).")
+    poll_interval_seconds: float
+    vanished_grace_seconds: float = 120.0
+
+
+class WatchOutput(Model):
+    status: NativeStatus
+    changed: bool
+
+
+class TransitionInput(Model):
+    job_id: str
+    cluster_id: str
+    old_state: JobState
+    new_state: JobState
+    event: LifecycleEvent | None = None
+    message: str = ""
+    exit_code: int | None = None
+    scheduler_job_id: str | None = None
+    tenant: str = ""
+
+
+class CancelInput(Model):
+    job_id: str
+    cluster_id: str
+    scheduler_job_id: str
+    reason: str = ""
+
+
+class UsageInput(Model):
+    job: JobSpec
+    cluster_id: str
+    scheduler_job_id: str
+    sequence: int
+    period_start: datetime
+    previous_cumulative: UsageMetrics
+    job_state: JobState
+    is_final: bool = False
+    report_accounting: bool = Field(False, description="With is_final: also report accounting and settle.")
+    accept_partial: bool = Field(
+        False, description="Close with the last reading when the scheduler has no final accounting (deadline, vanished)."
+    )
+    max_attempts: int = 0
+
+
+class UsageOutput(Model):
+    record_id: str | None = Field(None, description="None when nothing was sent (retry_on_failure off).")
+    cumulative: UsageMetrics
+    period_end: datetime
+    charged: str | None = None
+    refunded: str | None = None

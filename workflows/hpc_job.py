@@ -1,0 +1,404 @@
+"""HPCJobWorkflow: one durable workflow per on-chain HPC job (workflow id = chain job id).
+
+route (validate + routing enforcement) → submit → watch … (usage record every ``report_interval`` while running)
+→ final usage record (``is_final``) + accounting → terminal status.
+
+Only orchestration lives here (DESIGN.md invariant 1): the clock is ``workflow.now()``, every side effect is an
+activity, and everything the workflow needs arrives in its input. Waiting happens inside the heartbeating
+``watch_job`` activity, which returns only on a state change or when a report or deadline is due, so history grows
+by a few events per report period (invariant 3); the workflow continues as new when Temporal suggests it.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta
+
+from temporalio import workflow
+from temporalio.common import RetryPolicy, SearchAttributeKey, SearchAttributePair, TypedSearchAttributes
+from temporalio.exceptions import ActivityError, ApplicationError
+
+with workflow.unsafe.imports_passed_through():
+    from activities.schedulers.base import NativeStatus
+    from virtengine_hpc.messages import (
+        JOB_WORKFLOW_NAME,
+        CancelInput,
+        CancelRequest,
+        Carried,
+        JobResult,
+        JobStatusView,
+        JobWorkflowInput,
+        RouteOutcome,
+        RouteRequest,
+        SubmitInput,
+        SubmitOutput,
+        TransitionInput,
+        UsageInput,
+        UsageOutput,
+        WatchInput,
+        WatchOutput,
+    )
+    from virtengine_hpc.states import JobState, LifecycleEvent, lifecycle_event, transition_path
+
+SA_STATE = SearchAttributeKey.for_keyword("VeJobState")
+SA_CLUSTER = SearchAttributeKey.for_keyword("VeClusterId")
+SA_SCHEDULER_JOB = SearchAttributeKey.for_keyword("VeSchedulerJobId")
+SA_TENANT = SearchAttributeKey.for_keyword("VeTenant")
+SA_TEMPLATE = SearchAttributeKey.for_keyword("VeTemplate")
+SEARCH_ATTRIBUTES = (SA_STATE, SA_CLUSTER, SA_SCHEDULER_JOB, SA_TENANT, SA_TEMPLATE)
+
+_NON_RETRYABLE = ["ValidationError", "ConfigError", "SubmissionRejected", "SecurityError", "IllegalTransition"]
+
+
+def initial_search_attributes(inp: JobWorkflowInput) -> TypedSearchAttributes:
+    """Search attributes set when the poller starts the workflow (no secrets: ids and states only)."""
+    pairs: list[SearchAttributePair[str]] = [
+        SearchAttributePair(SA_STATE, JobState.PENDING.value),
+        SearchAttributePair(SA_CLUSTER, inp.cluster_id),
+        SearchAttributePair(SA_TENANT, inp.job.tenant),
+        SearchAttributePair(SA_TEMPLATE, inp.job.template_id or "script"),
+    ]
+    return TypedSearchAttributes(pairs)
+
+
+@workflow.defn(name=JOB_WORKFLOW_NAME)
+class HPCJobWorkflow:
+    @workflow.init
+    def __init__(self, inp: JobWorkflowInput) -> None:
+        self.inp = inp
+        self.job = inp.job
+        self.settings = inp.settings
+        self.c: Carried = inp.carried or Carried(state=JobState.PENDING, cluster_id=inp.cluster_id)
+        self.final_record_id: str | None = None
+        self.charged: str | None = None
+        self.refunded: str | None = None
+
+    # ---- handlers -----------------------------------------------------------------------------------------------
+
+    @workflow.query
+    def status(self) -> JobStatusView:
+        return JobStatusView(
+            job_id=self.job.job_id,
+            state=self.c.state,
+            cluster_id=self.c.cluster_id,
+            scheduler_job_id=self.c.scheduler_job_id,
+            message=self.c.status_message,
+            exit_code=self.c.exit_code,
+            usage_records=self.c.next_sequence - 1,
+            cancel_requested=self.c.cancel_requested,
+            submitted_at=self.c.submitted_at,
+            started_at=self.c.started_at,
+        )
+
+    @workflow.signal
+    def cancel(self, request: CancelRequest) -> None:
+        self._request_cancel(request)
+
+    @workflow.update
+    def request_cancel(self, request: CancelRequest) -> JobStatusView:
+        self._request_cancel(request)
+        return self.status()
+
+    @request_cancel.validator
+    def _validate_cancel(self, request: CancelRequest) -> None:
+        if self.c.state.final:
+            raise ApplicationError(f"job {self.job.job_id} already ended ({self.c.state.value})", type="JobEnded")
+
+    def _request_cancel(self, request: CancelRequest) -> None:
+        if not self.c.state.final and not self.c.cancel_requested:
+            self.c = self.c.model_copy(update={"cancel_requested": True, "cancel_reason": request.reason})
+
+    # ---- main ---------------------------------------------------------------------------------------------------
+
+    @workflow.run
+    async def run(self, inp: JobWorkflowInput) -> JobResult:
+        if self.c.scheduler_job_id is None and not self.c.state.final:
+            await self._route_and_submit()
+        while not self.c.state.final:
+            await self._watch_once()
+            if not self.c.state.final and self._history_is_long():
+                await workflow.wait_condition(workflow.all_handlers_finished)
+                workflow.continue_as_new(self.inp.model_copy(update={"carried": self.c}))
+        await workflow.wait_condition(workflow.all_handlers_finished)
+        return JobResult(
+            job_id=self.job.job_id,
+            state=self.c.state,
+            message=self.c.status_message,
+            exit_code=self.c.exit_code,
+            scheduler_job_id=self.c.scheduler_job_id,
+            usage_records=self.c.next_sequence - 1,
+            final_record_id=self.final_record_id,
+            charged=self.charged,
+            refunded=self.refunded,
+        )
+
+    async def _route_and_submit(self) -> None:
+        if self.c.cancel_requested:
+            await self._finish(JobState.CANCELLED, self.c.cancel_reason)
+            return
+        outcome: RouteOutcome = await workflow.execute_activity(
+            "route_job",
+            RouteRequest(job=self.job, cluster_id=self.c.cluster_id, workflow_id=workflow.info().workflow_id),
+            start_to_close_timeout=timedelta(seconds=60),
+            retry_policy=self._retry(unlimited=True),
+            result_type=RouteOutcome,
+        )
+        if not outcome.accepted:
+            await self._finish(JobState.FAILED, f"{outcome.code}: {outcome.message}")
+            return
+        if outcome.cluster_id != self.c.cluster_id:
+            self.c = self.c.model_copy(update={"cluster_id": outcome.cluster_id})
+        if self.c.cancel_requested:
+            await self._finish(JobState.CANCELLED, self.c.cancel_reason)
+            return
+        try:
+            submitted: SubmitOutput = await workflow.execute_activity(
+                "submit_job",
+                SubmitInput(
+                    workflow_id=workflow.info().workflow_id,
+                    job=self.job,
+                    cluster_id=self.c.cluster_id,
+                    partition=outcome.partition,
+                    body=outcome.body,
+                    max_attempts=self.settings.retry.max_retries + 1,
+                ),
+                start_to_close_timeout=timedelta(seconds=120),
+                retry_policy=self._retry(),
+                result_type=SubmitOutput,
+            )
+        except ActivityError as err:
+            await self._finish(JobState.FAILED, f"submission failed: {_cause(err)}")
+            return
+        self.c = self.c.model_copy(
+            update={"scheduler_job_id": submitted.scheduler_job_id, "submitted_at": workflow.now()}
+        )
+        workflow.upsert_search_attributes([SA_SCHEDULER_JOB.value_set(submitted.scheduler_job_id)])
+        await self._transition(JobState.QUEUED, LifecycleEvent.SUBMITTED, "accepted by the scheduler")
+
+    async def _watch_once(self) -> None:
+        assert self.c.scheduler_job_id is not None
+        if self.c.cancel_requested and not self.c.cancel_sent:
+            await self._send_cancel(self.c.cancel_reason)
+            if self.c.state.final:
+                return
+        now = workflow.now()
+        deadline = self._deadline()
+        if deadline is not None and now >= deadline:
+            await self._enforce_deadline()
+            return
+        return_by = now + timedelta(seconds=self.settings.max_watch_seconds)
+        due = self._report_due()
+        if due is not None:
+            if now >= due:
+                await self._report_usage(final=False)
+                return
+            return_by = min(return_by, due)
+        if deadline is not None:
+            return_by = min(return_by, deadline)
+        request = WatchInput(
+            job_id=self.job.job_id,
+            cluster_id=self.c.cluster_id,
+            scheduler_job_id=self.c.scheduler_job_id,
+            last_state=self.c.state,
+            return_by=return_by,
+            poll_interval_seconds=self.settings.poll_interval_seconds,
+            vanished_grace_seconds=self.settings.vanished_grace_seconds,
+        )
+        poll = self.settings.poll_interval_seconds
+        handle = workflow.start_activity(
+            "watch_job",
+            request,
+            start_to_close_timeout=(return_by - now) + timedelta(seconds=4 * poll + 120),
+            heartbeat_timeout=timedelta(seconds=max(30.0, 4 * poll)),
+            retry_policy=self._retry(unlimited=True),
+            result_type=WatchOutput,
+        )
+        await workflow.wait_condition(
+            lambda: handle.done() or (self.c.cancel_requested and not self.c.cancel_sent)
+        )
+        if not handle.done():
+            handle.cancel()
+            try:
+                await handle
+            except (ActivityError, BaseException):  # cancelled watch: nothing to apply
+                return
+            return
+        result: WatchOutput = await handle
+        if result.changed:
+            await self._apply(result.status)
+
+    async def _apply(self, status: NativeStatus) -> None:
+        if not status.found:
+            await self._finish(
+                JobState.FAILED,
+                f"job {self.c.scheduler_job_id} vanished: the scheduler has no record of it in its queue or accounting",
+                partial=True,
+            )
+            return
+        target = status.state
+        message = status.reason or status.native_state
+        if target.final and self.c.forced_final is not None:
+            target, message = self.c.forced_final, self.c.forced_message
+        elif target == JobState.CANCELLED and self.c.cancel_requested:
+            message = self.c.cancel_reason or message
+        path = transition_path(self.c.state, target)
+        if self.c.started_at is None and (status.start_time is not None or JobState.RUNNING in path):
+            # The job ran (perhaps between two polls): its usage starts when the scheduler started it.
+            started = status.start_time or workflow.now()
+            self.c = self.c.model_copy(update={"started_at": started, "last_report_at": started})
+        for step in path:
+            if step.final:
+                self.c = self.c.model_copy(update={"exit_code": status.exit_code})
+                await self._finish(step, message)
+                return
+            await self._transition(step, lifecycle_event(self.c.state, step), message)
+
+    async def _finish(self, final: JobState, message: str, *, partial: bool = False) -> None:
+        """Close the job: final usage record and accounting (if it ran), then the terminal status.
+
+        ``partial``: the scheduler cannot give final accounting (the job vanished, or we closed it at a deadline),
+        so the last reading closes the records.
+        """
+        if self.c.scheduler_job_id is not None and self.c.started_at is not None and self.settings.usage_enabled:
+            await self._report_usage(final=True, final_state=final, partial=partial)
+        await self._transition(final, lifecycle_event(self.c.state, final), message)
+
+    async def _transition(self, new: JobState, event: LifecycleEvent | None, message: str) -> None:
+        old = self.c.state
+        await workflow.execute_activity(
+            "report_transition",
+            TransitionInput(
+                job_id=self.job.job_id,
+                cluster_id=self.c.cluster_id,
+                old_state=old,
+                new_state=new,
+                event=event,
+                message=message,
+                exit_code=self.c.exit_code if new.final else None,
+                scheduler_job_id=self.c.scheduler_job_id,
+                tenant=self.job.tenant,
+            ),
+            start_to_close_timeout=timedelta(seconds=60),
+            retry_policy=self._retry(unlimited=True),
+        )
+        self.c = self.c.model_copy(update={"state": new, "status_message": message})
+        workflow.upsert_search_attributes([SA_STATE.value_set(new.value)])
+
+    async def _report_usage(
+        self, *, final: bool, final_state: JobState | None = None, partial: bool = False
+    ) -> None:
+        assert self.c.scheduler_job_id is not None
+        period_start = self.c.last_report_at or self.c.started_at or workflow.now()
+        unlimited = final or self.settings.retry_on_failure
+        try:
+            out: UsageOutput = await workflow.execute_activity(
+                "report_usage",
+                UsageInput(
+                    job=self.job,
+                    cluster_id=self.c.cluster_id,
+                    scheduler_job_id=self.c.scheduler_job_id,
+                    sequence=self.c.next_sequence,
+                    period_start=period_start,
+                    previous_cumulative=self.c.last_cumulative,
+                    job_state=final_state or self.c.state,
+                    is_final=final,
+                    report_accounting=final,
+                    accept_partial=partial,
+                    max_attempts=0 if unlimited else self.settings.retry.max_retries + 1,
+                ),
+                start_to_close_timeout=timedelta(seconds=120),
+                retry_policy=self._retry(unlimited=unlimited),
+                result_type=UsageOutput,
+            )
+        except ActivityError:
+            # retry_on_failure is off and the attempts ran out: the next record covers this period too.
+            self.c = self.c.model_copy(update={"last_report_at": workflow.now()})
+            return
+        self.c = self.c.model_copy(
+            update={
+                "next_sequence": self.c.next_sequence + 1,
+                "last_cumulative": out.cumulative,
+                "last_report_at": out.period_end,
+            }
+        )
+        if final:
+            self.final_record_id = out.record_id
+            self.charged, self.refunded = out.charged, out.refunded
+
+    async def _send_cancel(self, reason: str) -> None:
+        assert self.c.scheduler_job_id is not None
+        try:
+            await workflow.execute_activity(
+                "cancel_job",
+                CancelInput(
+                    job_id=self.job.job_id,
+                    cluster_id=self.c.cluster_id,
+                    scheduler_job_id=self.c.scheduler_job_id,
+                    reason=reason,
+                ),
+                start_to_close_timeout=timedelta(seconds=60),
+                retry_policy=self._retry(),
+            )
+        except ActivityError as err:
+            workflow.logger.warning("cancel of %s failed, will retry: %s", self.job.job_id, _cause(err))
+            return
+        self.c = self.c.model_copy(update={"cancel_sent": True})
+
+    async def _enforce_deadline(self) -> None:
+        grace = self.c.deadline_grace_until
+        if grace is not None and workflow.now() >= grace:
+            # Cancelled at the deadline, and the scheduler still has not said it ended: close it ourselves.
+            await self._finish(JobState.TIMEOUT, self.c.forced_message, partial=True)
+            return
+        if self.c.started_at is None:
+            why = f"not started within job_timeout_default ({self.settings.job_timeout_default_seconds:.0f} s)"
+        else:
+            why = f"ran past its walltime of {self.job.walltime_seconds} s; cancelled by the provider"
+        self.c = self.c.model_copy(update={"forced_final": JobState.TIMEOUT, "forced_message": why})
+        if not self.c.cancel_sent:
+            self.c = self.c.model_copy(update={"cancel_requested": True, "cancel_reason": why})
+            await self._send_cancel(why)
+        if self.c.cancel_sent:
+            # The scheduler will report the job cancelled; give it a few polls, then close it as timed out.
+            grace = workflow.now() + timedelta(seconds=4 * self.settings.poll_interval_seconds + 30)
+            self.c = self.c.model_copy(update={"deadline_grace_until": grace})
+
+    def _deadline(self) -> datetime | None:
+        if self.c.deadline_grace_until is not None:
+            return self.c.deadline_grace_until
+        if self.c.started_at is not None:
+            return self.c.started_at + timedelta(
+                seconds=self.job.walltime_seconds + self.settings.walltime_grace_seconds
+            )
+        if self.c.submitted_at is not None:
+            return self.c.submitted_at + timedelta(seconds=self.settings.job_timeout_default_seconds)
+        return None
+
+    def _report_due(self) -> datetime | None:
+        if not self.settings.usage_enabled or self.c.state != JobState.RUNNING:
+            return None
+        last = self.c.last_report_at or self.c.started_at
+        return None if last is None else last + timedelta(seconds=self.settings.report_interval_seconds)
+
+    def _history_is_long(self) -> bool:
+        info = workflow.info()
+        return (
+            info.is_continue_as_new_suggested()
+            or info.get_current_history_length() > self.settings.continue_as_new_after_events
+        )
+
+    def _retry(self, *, unlimited: bool = False) -> RetryPolicy:
+        r = self.settings.retry
+        return RetryPolicy(
+            initial_interval=timedelta(seconds=r.initial_backoff_seconds),
+            maximum_interval=timedelta(seconds=r.max_backoff_seconds),
+            backoff_coefficient=r.backoff_multiplier,
+            maximum_attempts=0 if unlimited else r.max_retries + 1,
+            non_retryable_error_types=_NON_RETRYABLE,
+        )
+
+
+def _cause(err: ActivityError) -> str:
+    cause = err.cause
+    while isinstance(cause, ActivityError) and cause.cause is not None:
+        cause = cause.cause
+    return str(cause or err)
