@@ -100,6 +100,14 @@ class SchedulerAdapter(abc.ABC):
     async def resume_node(self, node: str) -> None:
         raise NotImplementedError(f"{self.name} cannot resume nodes")
 
+    async def node_busy(self, node: str) -> bool:
+        """Whether jobs still run on ``node``; a draining node becomes drained once this is False.
+
+        Adapters that cannot tell raise ``NotImplementedError``: the node then counts as drained as soon as the
+        drain itself was accepted.
+        """
+        raise NotImplementedError(f"{self.name} cannot tell whether a node is busy")
+
     async def close(self) -> None:
         """Release connections (SSH sessions, HTTP pools)."""
 
