@@ -167,6 +167,17 @@ class LocalSchedulerConfig(Section):
     state_dir: Path | None = Field(None, description="Default: <state_store_path>/local-jobs.")
     max_parallel_jobs: int = Field(64, ge=1, le=10_000)
     job_poll_interval: Duration = timedelta(seconds=2)
+    kill_wait: Duration = Field(
+        timedelta(seconds=10),
+        description="Grace between SIGTERM and SIGKILL when a job hits its walltime or is cancelled "
+        "(SLURM's KillWait).",
+    )
+    max_walltime: Duration | None = Field(
+        None,
+        description="Upper bound on the walltime the local executor enforces: a job is stopped at "
+        "min(its walltime, this). For demos and tests, where the model's 60 s minimum walltime is too long; "
+        "leave unset in production.",
+    )
 
 
 class HPCConfig(Section):

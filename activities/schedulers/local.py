@@ -1,0 +1,498 @@
+"""The ``local`` scheduler: runs a job's batch script as a process group on this host (the default).
+
+Each job has a directory ``<state_dir>/jobs/<scheduler job id>``, the id being ``local-`` plus 20 hex digits
+of the SHA-256 of the workflow id, so a retried submit finds the job from the workflow id alone (DESIGN.md
+invariant 2). The directory holds ``job.sh`` (``#!/bin/bash`` + the body, mode 0700, run as ``bash <path>``:
+the script never travels through a shell command line), ``meta.json`` (workflow id, job summary, limits, the
+rendered environment), ``stdout``, ``stderr``, and ``status.json``, which a detached supervisor process
+(``activities/schedulers/local_supervisor.py``) rewrites atomically as the job moves and as usage is sampled.
+
+Exactly once, even when the worker is SIGKILLed at any instant inside ``submit``: the submitter takes the
+job's ``lock`` with a non-blocking flock. If it is held, or the ``started`` marker exists, the job is adopted.
+Otherwise the submitter spawns the supervisor with the locked fd in ``pass_fds`` (the lock passes to it
+without ever being free) and waits until the supervisor has written the marker. The supervisor holds the lock
+for its whole life; a job whose status is not final while its lock is free lost its supervisor (host reboot,
+kill -9) and is reported failed, never completed. See ``docs/local-executor.md`` for the crash windows, the
+environment and the usage measurement.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno
+import fcntl
+import hashlib
+import json
+import os
+import pwd
+import re
+import select
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterable
+from datetime import UTC, datetime
+from decimal import Decimal
+from pathlib import Path
+from typing import Any
+
+from activities.schedulers import local_supervisor as sup
+from activities.schedulers.base import (
+    Accounting,
+    NativeStatus,
+    SchedulerAdapter,
+    SubmitRequest,
+    SubmitResult,
+    register,
+)
+from virtengine_hpc.config import LocalSchedulerConfig
+from virtengine_hpc.errors import JobNotFound, SchedulerError, SchedulerUnavailable, SubmissionRejected
+from virtengine_hpc.models import UsageMetrics
+from virtengine_hpc.states import JobState
+from virtengine_hpc.usage import normalize_metrics
+
+JOB_ID_PREFIX = "local-"
+_JOB_ID_RE = re.compile(r"^local-[0-9a-f]{20}$")
+_SUPERVISOR = Path(sup.__file__).resolve()
+# The supervisor gets no environment of the worker's (which may hold SLURM_JWT_TOKEN and friends).
+_SUPERVISOR_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8"}
+JOB_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+_STALE_TMP_SECONDS = 3600
+_META_CACHE_SIZE = 4096
+
+
+def scheduler_job_id(workflow_id: str) -> str:
+    """The local job id of a workflow: deterministic, so a retried submit finds what an earlier one did."""
+    return JOB_ID_PREFIX + hashlib.sha256(workflow_id.encode()).hexdigest()[:20]
+
+
+def _utc(timestamp: float | None) -> datetime | None:
+    return None if timestamp is None else datetime.fromtimestamp(float(timestamp), UTC)
+
+
+def _dec(value: Any) -> Decimal:
+    return Decimal(str(value)) if value is not None else Decimal(0)
+
+
+@register("local")
+class LocalAdapter(SchedulerAdapter):
+    """Runs jobs on this host under detached supervisors; ``max_parallel_jobs`` at once, the rest queue.
+
+    Not a sandbox: jobs run with the worker's uid. The job does not inherit the worker's environment.
+    """
+
+    mpi_launcher = "mpirun"
+    #: How long ``submit`` waits for a supervisor to confirm it took the job.
+    launch_timeout: float = 30.0
+
+    def __init__(self, config: LocalSchedulerConfig, state_dir: Path, cluster_id: str) -> None:
+        self.config = config
+        self.cluster_id = cluster_id
+        self.state_dir = Path(state_dir)
+        self._jobs = self.state_dir / "jobs"
+        self._slots = self.state_dir / "slots"
+        self._tmp = self.state_dir / "tmp"
+        for path in (self.state_dir, self._jobs, self._slots, self._tmp):
+            path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        self._meta_cache: dict[str, dict[str, Any]] = {}
+        self._remove_stale_tmp()
+
+    # ---- public helpers ------------------------------------------------------------------------------------
+    def job_dir(self, scheduler_job_id: str) -> Path:
+        """The job's directory (its ``stdout`` and ``stderr`` files are there). Raises ``JobNotFound``."""
+        if not _JOB_ID_RE.fullmatch(scheduler_job_id):
+            raise JobNotFound(f"{scheduler_job_id[:80]!r} is not a local job id", code="job_not_found")
+        return self._jobs / scheduler_job_id
+
+    # ---- the interface -------------------------------------------------------------------------------------
+    async def submit(self, request: SubmitRequest) -> SubmitResult:
+        return await asyncio.to_thread(self._submit, request)
+
+    async def find(self, workflow_id: str) -> str | None:
+        return await asyncio.to_thread(self._find, workflow_id)
+
+    async def status_batch(self, scheduler_job_ids: Iterable[str]) -> dict[str, NativeStatus]:
+        ids = list(scheduler_job_ids)
+        return await asyncio.to_thread(lambda: {sid: self._status(sid) for sid in ids})
+
+    async def cancel(self, scheduler_job_id: str) -> None:
+        await asyncio.to_thread(self._cancel, scheduler_job_id)
+
+    async def usage(self, scheduler_job_id: str) -> Accounting:
+        return await asyncio.to_thread(self._usage, scheduler_job_id)
+
+    async def close(self) -> None:
+        """Nothing to release: supervisors are detached on purpose and outlive the adapter."""
+
+    # ---- submit --------------------------------------------------------------------------------------------
+    def _submit(self, request: SubmitRequest) -> SubmitResult:
+        job_id = scheduler_job_id(request.workflow_id)
+        jobdir = self._jobs / job_id
+        if not jobdir.is_dir():
+            self._create_job_dir(request, job_id, jobdir)
+        meta = self._meta(job_id)
+        if meta.get("workflow_id") != request.workflow_id:
+            raise SubmissionRejected(
+                f"local job {job_id} belongs to workflow {meta.get('workflow_id')!r}, not "
+                f"{request.workflow_id!r} (hash collision or a damaged state directory)"
+            )
+        return self._launch(jobdir, job_id)
+
+    def _create_job_dir(self, request: SubmitRequest, job_id: str, jobdir: Path) -> None:
+        """Write the job's files into a private directory, then rename it into place: all or nothing."""
+        staging = Path(tempfile.mkdtemp(prefix=f"{job_id}.", dir=self._tmp))
+        try:
+            body = request.body if request.body.endswith("\n") else request.body + "\n"
+            self._write_file(staging / sup.SCRIPT, ("#!/bin/bash\n" + body).encode(), 0o700)
+            meta = self._render_meta(request, job_id, jobdir)
+            self._write_file(staging / sup.META, json.dumps(meta, indent=1, sort_keys=True).encode(), 0o600)
+            (staging / sup.JOB_TMP).mkdir(mode=0o700)
+            os.chmod(staging, 0o700)
+            sup.fsync_dir(staging)
+            try:
+                os.rename(staging, jobdir)
+            except OSError as exc:
+                if exc.errno not in (errno.EEXIST, errno.ENOTEMPTY):
+                    raise
+                return  # a concurrent submit of the same workflow won the race; use its directory
+            sup.fsync_dir(self._jobs)
+        except OSError as exc:
+            raise SchedulerUnavailable(f"cannot write the local job directory for {job_id}: {exc}") from exc
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+
+    @staticmethod
+    def _write_file(path: Path, data: bytes, mode: int) -> None:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, mode)
+        try:
+            os.write(fd, data)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def _render_meta(self, request: SubmitRequest, job_id: str, jobdir: Path) -> dict[str, Any]:
+        job = request.job
+        walltime = float(job.walltime_seconds)
+        if self.config.max_walltime is not None:
+            walltime = min(walltime, self.config.max_walltime.total_seconds())
+        workdir = job.working_directory or str(jobdir)
+        return {
+            "version": 1,
+            "workflow_id": request.workflow_id,
+            "scheduler_job_id": job_id,
+            "cluster_id": self.cluster_id,
+            "submit_time": time.time(),
+            "job": {
+                "job_id": job.job_id,
+                "tenant": job.tenant,
+                "provider": job.provider,
+                "offering_id": job.offering_id,
+                "name": job.name,
+                "partition": request.partition or job.partition,
+                "job_class": job.job_class,
+                "resources": job.resources.model_dump(mode="json"),
+                "walltime_seconds": job.walltime_seconds,
+            },
+            "limits": {
+                "walltime_seconds": walltime,
+                "kill_wait_seconds": self.config.kill_wait.total_seconds(),
+            },
+            "slots": {"dir": str(self._slots), "count": self.config.max_parallel_jobs},
+            "working_directory": workdir,
+            "env": self._environment(request, job_id, jobdir, workdir),
+        }
+
+    def _environment(self, request: SubmitRequest, job_id: str, jobdir: Path, workdir: str) -> dict[str, str]:
+        """A clean environment: a minimal base, the tenant's variables, then ours (reserved names)."""
+        job, res = request.job, request.job.resources
+        try:
+            user = pwd.getpwuid(os.getuid()).pw_name
+        except KeyError:
+            user = str(os.getuid())
+        env = {
+            "HOME": workdir,
+            "LANG": "C.UTF-8",
+            "LOGNAME": user,
+            "SHELL": "/bin/bash",
+            "TMPDIR": str(jobdir / sup.JOB_TMP),
+            "USER": user,
+        }
+        env.update(job.environment)
+        counts = {
+            "NNODES": res.nodes,
+            "NTASKS": res.nodes * res.tasks_per_node,
+            "NTASKS_PER_NODE": res.tasks_per_node,
+            "CPUS_PER_TASK": res.cpus_per_task,
+        }
+        env.update({f"VIRTENGINE_{k}": str(v) for k, v in counts.items()})
+        env.update(
+            {
+                "PATH": JOB_PATH,
+                "VIRTENGINE_JOB_ID": job.job_id,
+                "VIRTENGINE_WORKFLOW_ID": request.workflow_id,
+                "VIRTENGINE_SCHEDULER_JOB_ID": job_id,
+                "VIRTENGINE_CLUSTER_ID": self.cluster_id,
+                "VIRTENGINE_JOB_NAME": job.name,
+                "VIRTENGINE_JOB_DIR": str(jobdir),
+                "VIRTENGINE_GPUS_PER_NODE": str(res.gpus_per_node),
+                "VIRTENGINE_MEM_PER_NODE_MB": str(res.memory_mb_per_node),
+                "VIRTENGINE_WALLTIME_SECONDS": str(job.walltime_seconds),
+                # Task counts under their SLURM names, so that templates written for SLURM run unchanged.
+                # Never SLURM_JOB_ID/SLURM_JOBID: MPI launchers take those as "inside a SLURM allocation" and
+                # call srun.
+                "SLURM_NNODES": str(res.nodes),
+                "SLURM_JOB_NUM_NODES": str(res.nodes),
+                "SLURM_NTASKS": str(counts["NTASKS"]),
+                "SLURM_NPROCS": str(counts["NTASKS"]),
+                "SLURM_NTASKS_PER_NODE": str(res.tasks_per_node),
+                "SLURM_CPUS_PER_TASK": str(res.cpus_per_task),
+            }
+        )
+        return env
+
+    def _launch(self, jobdir: Path, job_id: str) -> SubmitResult:
+        """Start the job's supervisor unless one already took the job (then adopt it)."""
+        deadline = time.monotonic() + self.launch_timeout
+        started = jobdir / sup.STARTED
+        while True:
+            fd = os.open(jobdir / sup.LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            try:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    if started.exists():
+                        return SubmitResult(scheduler_job_id=job_id, adopted=True)
+                    # A concurrent submit is launching it (or a status probe holds the lock for a moment).
+                else:
+                    if started.exists():
+                        return SubmitResult(scheduler_job_id=job_id, adopted=True)
+                    adopted = self._spawn_supervisor(jobdir, fd)
+                    return SubmitResult(scheduler_job_id=job_id, adopted=adopted)
+            finally:
+                os.close(fd)  # the supervisor, if spawned, holds the lock through its own copy of the fd
+            if time.monotonic() > deadline:
+                raise SchedulerUnavailable(f"local job {job_id} is locked but was not started; try again")
+            time.sleep(0.02)
+
+    def _spawn_supervisor(self, jobdir: Path, lock_fd: int) -> bool:
+        """Spawn the supervisor holding ``lock_fd`` and wait until it wrote the ``started`` marker.
+
+        Returns ``adopted``: False normally; True if the supervisor failed to confirm but the marker exists.
+        """
+        ready_r, ready_w = os.pipe()
+        try:
+            with open(jobdir / sup.SUPERVISOR_LOG, "ab") as log:
+                proc = subprocess.Popen(
+                    [
+                        sys.executable,
+                        "-I",
+                        "-S",
+                        str(_SUPERVISOR),
+                        "--lock-fd",
+                        str(lock_fd),
+                        "--ready-fd",
+                        str(ready_w),
+                        str(jobdir),
+                    ],
+                    stdin=subprocess.DEVNULL,
+                    stdout=log,
+                    stderr=log,
+                    pass_fds=(lock_fd, ready_w),
+                    start_new_session=True,
+                    env=_SUPERVISOR_ENV,
+                    cwd="/",
+                )
+        except OSError as exc:
+            os.close(ready_r)
+            raise SchedulerUnavailable(f"cannot start the local job supervisor: {exc}") from exc
+        finally:
+            os.close(ready_w)
+        try:
+            ready = self._await_ready(ready_r)
+        finally:
+            os.close(ready_r)
+        # The process we started forks the supervisor and exits at once; reap it so no zombie is left behind.
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=5)
+        if ready:
+            return False
+        if (jobdir / sup.STARTED).exists():
+            return True
+        tail = self._tail(jobdir / sup.SUPERVISOR_LOG)
+        raise SchedulerUnavailable(f"the local job supervisor did not start: {tail or 'no message'}")
+
+    def _await_ready(self, ready_r: int) -> bool:
+        """Block until the supervisor says ``ready`` (True) or its end of the pipe closes (False)."""
+        deadline = time.monotonic() + self.launch_timeout
+        data = b""
+        while (left := deadline - time.monotonic()) > 0:
+            readable, _, _ = select.select([ready_r], [], [], left)
+            if not readable:
+                break
+            chunk = os.read(ready_r, 64)
+            if not chunk:
+                break
+            data += chunk
+            if data.endswith(b"\n"):
+                break
+        return data == sup.READY
+
+    # ---- lookups -------------------------------------------------------------------------------------------
+    def _find(self, workflow_id: str) -> str | None:
+        job_id = scheduler_job_id(workflow_id)
+        jobdir = self._jobs / job_id
+        # Only a launched job counts: a directory left by a submit that died before launching is not a job
+        # yet, and the caller's submit will launch it.
+        if not (jobdir / sup.STARTED).exists():
+            return None
+        meta = self._meta(job_id)
+        return job_id if meta.get("workflow_id") == workflow_id else None
+
+    def _meta(self, job_id: str) -> dict[str, Any]:
+        meta = self._meta_cache.get(job_id)
+        if meta is None:
+            meta = sup.read_json(self._jobs / job_id / sup.META)
+            if meta is None:
+                raise SchedulerError(f"local job {job_id}: {sup.META} is missing or damaged", transient=False)
+            if len(self._meta_cache) >= _META_CACHE_SIZE:
+                self._meta_cache.clear()
+            self._meta_cache[job_id] = meta
+        return meta
+
+    def _current_status(self, job_id: str) -> dict[str, Any] | None:
+        """The job's status file, reconciled: a non-final status whose supervisor is gone becomes failed.
+
+        Raises ``JobNotFound`` for an unknown job. ``None`` for a job whose supervisor has not started yet.
+        """
+        jobdir = self.job_dir(job_id)
+        status = sup.read_json(jobdir / sup.STATUS)
+        if status is None and not jobdir.is_dir():
+            raise JobNotFound(f"no local job {job_id}")
+        if not (jobdir / sup.STARTED).exists():
+            return None  # not launched (a submit died before launching it); a retried submit launches it
+        if status is not None and status.get("state") in sup.FINAL_STATES:
+            return status
+        return self._reconcile(jobdir, status)
+
+    def _reconcile(self, jobdir: Path, status: dict[str, Any] | None) -> dict[str, Any] | None:
+        """``status`` if the supervisor lives (it holds the lock); if it died, the job recorded as failed."""
+        try:
+            fd = os.open(jobdir / sup.LOCK, os.O_RDWR | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return status
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return status  # the supervisor is alive
+            # The supervisor is gone. It may have written a final state just before exiting: read again.
+            status = sup.read_json(jobdir / sup.STATUS) or {}
+            if status.get("state") in sup.FINAL_STATES:
+                return status
+            killed = sup.kill_orphaned_group(status.get("job_pid"), status.get("job_start_ticks"))
+            reason = (
+                "the job's supervisor died without recording an end state (host reboot or the supervisor was "
+                "killed); the job's outcome is unknown"
+            )
+            if killed:
+                reason += "; its remaining processes were killed"
+            status.update(
+                state="failed",
+                native_state="SUPERVISOR_LOST",
+                reason=reason,
+                end_time=status.get("updated_time") or time.time(),
+                updated_time=time.time(),
+            )
+            sup.write_json_atomic(jobdir / sup.STATUS, status, durable=True)
+            return status
+        finally:
+            os.close(fd)
+
+    def _status(self, job_id: str) -> NativeStatus:
+        try:
+            status = self._current_status(job_id)
+        except JobNotFound as exc:
+            return NativeStatus(scheduler_job_id=job_id, found=False, reason=str(exc))
+        if status is None:
+            return NativeStatus(
+                scheduler_job_id=job_id,
+                state=JobState.QUEUED,
+                native_state="SUBMITTING",
+                reason="submitted; its supervisor has not started yet (a retried submit starts it)",
+            )
+        return NativeStatus(
+            scheduler_job_id=job_id,
+            state=JobState(status["state"]),
+            native_state=str(status.get("native_state", "")),
+            reason=str(status.get("reason", "")),
+            exit_code=status.get("exit_code"),
+            start_time=_utc(status.get("start_time")),
+            end_time=_utc(status.get("end_time")),
+        )
+
+    # ---- cancel and usage ----------------------------------------------------------------------------------
+    def _cancel(self, job_id: str) -> None:
+        jobdir = self.job_dir(job_id)
+        if not jobdir.is_dir():
+            raise JobNotFound(f"no local job {job_id}")
+        status = self._current_status(job_id)
+        if status is not None and status.get("state") in sup.FINAL_STATES:
+            return  # already ended: nothing to do
+        # The file makes the request durable: a supervisor that starts later, or misses the signal, still sees
+        # it.
+        with contextlib.suppress(FileExistsError):
+            fd = os.open(jobdir / sup.CANCEL, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+            os.write(fd, f"{time.time():.6f}\n".encode())
+            os.close(fd)
+        if status is None:
+            return
+        pid, start = status.get("supervisor_pid"), status.get("supervisor_start_ticks")
+        if isinstance(pid, int) and sup.is_same_process(pid, start):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGTERM)
+
+    def _usage(self, job_id: str) -> Accounting:
+        status = self._current_status(job_id)
+        if status is None:
+            return Accounting(scheduler_job_id=job_id)
+        meta = self._meta(job_id)
+        resources = meta["job"]["resources"]
+        raw = status.get("usage") or {}
+        wall = _dec(raw.get("wall_clock_seconds"))
+        metrics = UsageMetrics(
+            wall_clock_seconds=wall,
+            cpu_core_seconds=_dec(raw.get("cpu_seconds")),
+            memory_gb_seconds=_dec(raw.get("memory_gib_seconds")),
+            memory_bytes_max=raw.get("memory_bytes_max"),
+            node_hours=Decimal(resources["nodes"]) * wall / 3600,
+            gpu_seconds=Decimal(resources["nodes"] * resources["gpus_per_node"]) * wall,
+            storage_gb_hours=Decimal(resources["storage_gb"]) * wall / 3600,
+        )
+        return Accounting(
+            scheduler_job_id=job_id,
+            final=status.get("state") in sup.FINAL_STATES,
+            metrics=normalize_metrics(metrics),
+            start_time=_utc(status.get("start_time")),
+            end_time=_utc(status.get("end_time")),
+        )
+
+    # ---- housekeeping --------------------------------------------------------------------------------------
+    @staticmethod
+    def _tail(path: Path, limit: int = 400) -> str:
+        try:
+            return path.read_bytes()[-limit:].decode(errors="replace").strip()
+        except OSError:
+            return ""
+
+    def _remove_stale_tmp(self) -> None:
+        """Remove staging directories that crashed submits left behind (they are never renamed into place)."""
+        cutoff = time.time() - _STALE_TMP_SECONDS
+        with contextlib.suppress(OSError):
+            for entry in os.scandir(self._tmp):
+                with contextlib.suppress(OSError):
+                    if entry.stat(follow_symlinks=False).st_mtime < cutoff:
+                        shutil.rmtree(entry.path, ignore_errors=True)

@@ -1,0 +1,628 @@
+"""The detached supervisor of one local job: waits for a slot, runs the script, enforces limits, measures use.
+
+The local adapter starts one supervisor per job as ``python -I -S local_supervisor.py --lock-fd N --ready-fd M
+<jobdir>``, in a new session, so that the job outlives the worker that submitted it (a worker may be SIGKILLed
+at any instant). The module uses the standard library only: run with ``-I -S`` it starts in about 20 ms and
+never imports the worker's packages (or their environment).
+
+Exactly-once execution rests on two things the supervisor holds:
+
+* the job's ``lock`` file, flocked by the submitter and inherited through ``pass_fds`` (the lock belongs to
+  the open file description, so it passes from the submitter to the supervisor with no moment where it is
+  free), held for the supervisor's whole life and released by the kernel when it exits or dies;
+* the ``started`` marker, created with ``O_EXCL`` (and fsynced) before anything runs: once it exists, no later
+  submit launches another supervisor for this job, whatever happens.
+
+The supervisor is a child subreaper, so processes the job daemonizes (``setsid``, double fork) are reparented
+to it rather than to init: they are still measured, killed at the end and reaped. Usage comes from ``/proc``
+(sampled about once a second) plus the ``wait4`` rusage of every reaped process; see
+``docs/local-executor.md``.
+
+Everything the job and the adapter share lives in the job directory; this module owns its layout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import ctypes.util
+import fcntl
+import json
+import os
+import random
+import select
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+# ---- the job directory (shared with activities/schedulers/local.py) ----------------------------------------
+SCRIPT = "job.sh"
+META = "meta.json"
+STATUS = "status.json"
+STDOUT = "stdout"
+STDERR = "stderr"
+LOCK = "lock"
+STARTED = "started"
+CANCEL = "cancel"
+SUPERVISOR_LOG = "supervisor.log"
+JOB_TMP = "tmp"
+
+STATUS_VERSION = 1
+FINAL_STATES = frozenset({"completed", "failed", "timeout", "cancelled"})
+READY = b"ready\n"
+
+#: Sampling schedule: a few early samples so short jobs get measured, then one per ``SAMPLE_INTERVAL``.
+EARLY_SAMPLES = (0.05, 0.2, 0.5)
+SAMPLE_INTERVAL = 1.0
+#: How often a queued job looks for a free slot, and how often the cancel file is checked.
+SLOT_POLL = 0.25
+CANCEL_POLL = 0.5
+#: How long to wait for killed leftovers to be reaped before giving up on them.
+REAP_LIMIT = 10.0
+BASH = "/bin/bash" if os.path.exists("/bin/bash") else "/usr/bin/bash"
+
+_CLK_TCK = os.sysconf("SC_CLK_TCK")
+_PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
+_PR_SET_CHILD_SUBREAPER = 36
+
+
+# ---- /proc -------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ProcStat:
+    """The fields of ``/proc/<pid>/stat`` that accounting and process identification need."""
+
+    pid: int
+    ppid: int
+    pgrp: int
+    state: str
+    cpu_seconds: float  # utime + stime + cutime + cstime: its own CPU plus that of the children it reaped
+    rss_bytes: int
+    start_ticks: int  # clock ticks since boot: with the pid, identifies a process across pid reuse
+
+
+def read_stat(pid: int) -> ProcStat | None:
+    """Parse ``/proc/<pid>/stat``; ``None`` when the process is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            data = fh.read()
+    except OSError:
+        return None
+    # The command name (field 2) may hold spaces and parentheses: the fields after it start past the last ")".
+    fields = data[data.rfind(b")") + 2 :].split()
+    if len(fields) < 22:
+        return None
+    ticks = int(fields[11]) + int(fields[12]) + int(fields[13]) + int(fields[14])
+    return ProcStat(
+        pid=pid,
+        ppid=int(fields[1]),
+        pgrp=int(fields[2]),
+        state=fields[0].decode(),
+        cpu_seconds=ticks / _CLK_TCK,
+        rss_bytes=int(fields[21]) * _PAGE_SIZE,
+        start_ticks=int(fields[19]),
+    )
+
+
+def is_same_process(pid: int | None, start_ticks: int | None) -> bool:
+    """True if ``pid`` still names the process that started at ``start_ticks`` (not a reused pid)."""
+    if not pid or start_ticks is None:
+        return False
+    stat = read_stat(pid)
+    return stat is not None and stat.start_ticks == start_ticks
+
+
+def _pids() -> set[int]:
+    return {int(name) for name in os.listdir("/proc") if name.isdigit()}
+
+
+def kill_orphaned_group(pgid: int | None, leader_start_ticks: int | None, sig: int = signal.SIGKILL) -> bool:
+    """Kill what is left of a job's process group after its supervisor died; True if a signal was sent.
+
+    The group id is the job's first pid. While the leader lives, its start time must match the recorded one;
+    once it has exited, the kernel does not hand out its pid while members of the group remain, so any process
+    whose group is ``pgid`` still belongs to the job.
+    """
+    if not pgid or pgid <= 1:
+        return False
+    leader = read_stat(pgid)
+    if leader is not None and leader.start_ticks != leader_start_ticks:
+        return False  # the number now belongs to another process
+    members = [s for s in (read_stat(p) for p in _pids()) if s is not None and s.pgrp == pgid]
+    if not members:
+        return False
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, sig)
+        return True
+    return False
+
+
+class ProcessTree:
+    """The live descendants of the supervisor, found by scanning ``/proc``.
+
+    ``/proc/<pid>/task/<tid>/children`` needs a kernel option that is often off, so membership is decided
+    from parent pids. A scan costs a directory listing plus one ``stat`` read per member and per pid not seen
+    in the previous listing: pids already known not to belong to the job are not read again.
+    """
+
+    def __init__(self, root: int) -> None:
+        self.root = root
+        self._members: dict[int, tuple[int, int]] = {}  # pid -> (start_ticks, depth below root)
+        self._listed: set[int] = set()
+
+    def scan(self) -> list[ProcStat]:
+        """Members in parent-before-child order.
+
+        Reading a parent before its children means a child that its parent reaps mid-scan is missed (counted
+        once the parent's ``cutime`` shows it) rather than counted twice: running readings err low, not high.
+        """
+        listed = _pids()
+        stats: list[ProcStat] = []
+        for pid, (start, _depth) in sorted(self._members.items(), key=lambda item: item[1][1]):
+            stat = read_stat(pid) if pid in listed else None
+            if stat is None or stat.start_ticks != start:
+                del self._members[pid]
+                if stat is not None:  # the pid was reused: decide again below
+                    self._listed.discard(pid)
+                continue
+            stats.append(stat)
+        pending = [read_stat(pid) for pid in sorted(listed - self._listed)]
+        candidates = [s for s in pending if s is not None]
+        # Repeat while new members appear: with pid wrap-around a child may sort before its parent.
+        while candidates:
+            rest = []
+            for stat in candidates:
+                if stat.ppid == self.root:
+                    depth = 1
+                elif stat.ppid in self._members:
+                    depth = self._members[stat.ppid][1] + 1
+                else:
+                    rest.append(stat)
+                    continue
+                self._members[stat.pid] = (stat.start_ticks, depth)
+                stats.append(stat)
+            if len(rest) == len(candidates):
+                break
+            candidates = rest
+        self._listed = listed
+        return stats
+
+    def pids(self) -> list[int]:
+        return list(self._members)
+
+
+# ---- usage -------------------------------------------------------------------------------------------------
+class Integrator:
+    """Cumulative usage of the job: CPU seconds, memory byte-seconds (trapezoids), peak memory, wall clock.
+
+    Every reading it publishes is >= the previous one, field by field, and the final reading (from the exact
+    ``wait4`` rusage of everything reaped) is >= every running reading.
+    """
+
+    def __init__(self, start: float) -> None:
+        self.start = start
+        self.last_time = start
+        self.last_rss: int | None = None
+        self.cpu_seconds = 0.0
+        self.byte_seconds = 0.0
+        self.peak_bytes = 0
+        self.wall_seconds = 0.0
+        self.samples = 0
+
+    def add(self, now: float, cpu_seconds: float, rss_bytes: int) -> None:
+        dt = max(0.0, now - self.last_time)
+        previous = rss_bytes if self.last_rss is None else self.last_rss
+        self.byte_seconds += (previous + rss_bytes) / 2 * dt
+        self.last_time, self.last_rss = now, rss_bytes
+        self.cpu_seconds = max(self.cpu_seconds, cpu_seconds)
+        self.peak_bytes = max(self.peak_bytes, rss_bytes)
+        self.wall_seconds = max(self.wall_seconds, now - self.start)
+        self.samples += 1
+
+    def close(self, end: float, cpu_seconds: float, max_rss_bytes: int) -> None:
+        """Fold in the end of the job: the last sampled memory holds until ``end``; exact CPU from rusage."""
+        dt = max(0.0, end - self.last_time)
+        held = self.last_rss if self.last_rss is not None else max_rss_bytes
+        self.byte_seconds += held * dt
+        self.last_time = end
+        self.cpu_seconds = max(self.cpu_seconds, cpu_seconds)
+        self.peak_bytes = max(self.peak_bytes, max_rss_bytes)
+        self.wall_seconds = max(self.wall_seconds, end - self.start)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "wall_clock_seconds": f"{self.wall_seconds:.6f}",
+            "cpu_seconds": f"{self.cpu_seconds:.6f}",
+            "memory_gib_seconds": f"{self.byte_seconds / 2**30:.6f}",
+            "memory_bytes_max": self.peak_bytes,
+            "samples": self.samples,
+        }
+
+
+# ---- files -------------------------------------------------------------------------------------------------
+def write_json_atomic(path: Path, data: dict[str, Any], *, durable: bool) -> None:
+    """Write ``data`` to ``path`` through a temporary file and a rename: readers see old or new, never half.
+
+    ``durable`` also fsyncs the file and its directory: used for the states that must survive a host crash.
+    """
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    payload = json.dumps(data, sort_keys=True).encode()
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+    try:
+        os.write(fd, payload)
+        if durable:
+            os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+    if durable:
+        fsync_dir(path.parent)
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def read_json(path: Path) -> dict[str, Any] | None:
+    try:
+        with open(path, "rb") as fh:
+            data = json.loads(fh.read())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def signal_name(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
+
+
+def _set_child_subreaper() -> bool:
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        return int(libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def _log(message: str) -> None:
+    stamp = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime())
+    print(f"{stamp} supervisor[{os.getpid()}]: {message}", file=sys.stderr, flush=True)
+
+
+# ---- the supervisor ----------------------------------------------------------------------------------------
+class Supervisor:
+    def __init__(self, jobdir: Path, meta: dict[str, Any]) -> None:
+        self.jobdir = jobdir
+        self.meta = meta
+        self.limits = meta["limits"]
+        self._signalled: int | None = None
+        self._wake_r, self._wake_w = os.pipe()
+        self._reaped_cpu = 0.0
+        self._max_rss = 0
+        self._script: subprocess.Popen[bytes] | None = None
+        self._script_status: int | None = None
+        self._end: float | None = None
+        self._tree = ProcessTree(os.getpid())
+        self._integrator: Integrator | None = None
+        me = read_stat(os.getpid())
+        self.status: dict[str, Any] = {
+            "version": STATUS_VERSION,
+            "scheduler_job_id": meta["scheduler_job_id"],
+            "workflow_id": meta["workflow_id"],
+            "state": "queued",
+            "native_state": "QUEUED",
+            "reason": "waiting for a free slot",
+            "exit_code": None,
+            "signal": None,
+            "supervisor_pid": os.getpid(),
+            "supervisor_start_ticks": me.start_ticks if me else None,
+            "job_pid": None,
+            "job_start_ticks": None,
+            "slot": None,
+            "submit_time": meta["submit_time"],
+            "start_time": None,
+            "end_time": None,
+            "updated_time": time.time(),
+            "usage": Integrator(0.0).as_dict() | {"memory_bytes_max": None},
+        }
+
+    # -- signals and sleeping
+    def install_signals(self) -> None:
+        os.set_blocking(self._wake_w, False)
+        os.set_blocking(self._wake_r, False)
+        signal.set_wakeup_fd(self._wake_w, warn_on_full_buffer=False)
+        for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            signal.signal(signum, self._on_terminate)
+        # A handler (not SIG_IGN, which the job would inherit) so that select() wakes when a child exits.
+        signal.signal(signal.SIGCHLD, lambda *_: None)
+
+    def _on_terminate(self, signum: int, _frame: object) -> None:
+        self._signalled = signum
+
+    def _sleep(self, seconds: float) -> None:
+        if seconds > 0:
+            with contextlib.suppress(InterruptedError):
+                select.select([self._wake_r], [], [], seconds)
+        with contextlib.suppress(BlockingIOError):
+            while os.read(self._wake_r, 512):
+                pass
+
+    def cancel_requested(self) -> bool:
+        return self._signalled is not None or (self.jobdir / CANCEL).exists()
+
+    def cancel_reason(self) -> str:
+        if (self.jobdir / CANCEL).exists():
+            return "cancelled on request"
+        return f"cancelled: the supervisor received {signal_name(self._signalled or signal.SIGTERM)}"
+
+    # -- status
+    def write_status(self, *, durable: bool = False, **changes: Any) -> None:
+        self.status.update(changes, updated_time=time.time())
+        if self._integrator is not None:
+            self.status["usage"] = self._integrator.as_dict()
+        try:
+            write_json_atomic(self.jobdir / STATUS, self.status, durable=durable)
+        except OSError as exc:  # a full disk must not kill the job; the next write may succeed
+            _log(f"cannot write the status file: {exc}")
+
+    def mark_started(self) -> bool:
+        """Create the ``started`` marker; False if it already existed (another supervisor took the job)."""
+        try:
+            fd = os.open(self.jobdir / STARTED, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        except FileExistsError:
+            return False
+        try:
+            os.write(fd, f"{os.getpid()} {time.time():.6f}\n".encode())
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        fsync_dir(self.jobdir)
+        return True
+
+    # -- queueing
+    def wait_for_slot(self) -> int | None:
+        """Hold one of the ``max_parallel_jobs`` slot locks; ``None`` if the job is cancelled while queued."""
+        slots_dir = Path(self.meta["slots"]["dir"])
+        count = int(self.meta["slots"]["count"])
+        while not self.cancel_requested():
+            first = random.randrange(count)
+            for offset in range(count):
+                index = (first + offset) % count
+                fd = os.open(slots_dir / f"slot-{index}.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    os.close(fd)
+                    continue
+                self.status["slot"] = index
+                return fd
+            self._sleep(SLOT_POLL * (0.8 + 0.4 * random.random()))
+        return None
+
+    # -- running
+    def start_script(self) -> str | None:
+        """Start the script in a new session (and process group); an error message if it cannot start."""
+        workdir = self.meta["working_directory"]
+        if not os.path.isdir(workdir):
+            return f"working directory {workdir} does not exist or is not a directory"
+        flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC
+        out = os.open(self.jobdir / STDOUT, flags, 0o600)
+        err = os.open(self.jobdir / STDERR, flags, 0o600)
+        try:
+            # A fixed argv: the script travels as a file path, never as a shell string.
+            self._script = subprocess.Popen(
+                [BASH, str(self.jobdir / SCRIPT)],
+                cwd=workdir,
+                env=self.meta["env"],
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=err,
+                start_new_session=True,
+                close_fds=True,
+            )
+        except OSError as exc:
+            return f"cannot start the job script in {workdir}: {exc.strerror or exc}"
+        finally:
+            os.close(out)
+            os.close(err)
+        return None
+
+    def _reap(self) -> None:
+        """Reap every exited child (the script and reparented orphans), adding up their exact rusage."""
+        while True:
+            try:
+                pid, status, usage = os.wait4(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                return
+            self._reaped_cpu += usage.ru_utime + usage.ru_stime
+            self._max_rss = max(self._max_rss, usage.ru_maxrss * 1024)
+            if self._script is not None and pid == self._script.pid:
+                self._script_status = status
+                self._script.returncode = os.waitstatus_to_exitcode(status)
+                self._end = time.monotonic()
+
+    def _sample(self, now: float) -> None:
+        assert self._integrator is not None
+        # Reaped CPU is read before the tree and nothing is reaped in between, so no process is counted twice.
+        cpu, rss = self._reaped_cpu, 0
+        for stat in self._tree.scan():
+            cpu += stat.cpu_seconds
+            rss += stat.rss_bytes
+        self._integrator.add(now, cpu, rss)
+        self.write_status()
+
+    def _signal_job(self, sig: int) -> None:
+        """Signal the job's process group and every other descendant (those that left the group)."""
+        assert self._script is not None
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self._script.pid, sig)
+        for pid in self._tree.pids():
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, sig)
+
+    def monitor(self) -> str | None:
+        """Wait for the script to end, enforcing walltime and cancel;"""
+        assert self._script is not None and self._integrator is not None
+        start = self._integrator.start
+        deadline = start + float(self.limits["walltime_seconds"])
+        kill_wait = float(self.limits["kill_wait_seconds"])
+        schedule = [start + t for t in EARLY_SAMPLES]
+        next_sample = schedule.pop(0)
+        ending: str | None = None
+        kill_at = float("inf")
+        while True:
+            now = time.monotonic()
+            wake = min(next_sample, deadline if ending is None else kill_at, now + CANCEL_POLL)
+            self._sleep(wake - now)
+            self._reap()
+            if self._end is not None:
+                return ending
+            now = time.monotonic()
+            if ending is None and (self.cancel_requested() or now >= deadline):
+                ending = "cancelled" if self.cancel_requested() else "timeout"
+                self._tree.scan()
+                self._signal_job(signal.SIGTERM)
+                kill_at = now + kill_wait
+                _log(f"{ending}: sent SIGTERM, SIGKILL in {kill_wait:g}s")
+            elif ending is not None and now >= kill_at:
+                self._tree.scan()
+                self._signal_job(signal.SIGKILL)
+                kill_at = now + 1.0
+            if now >= next_sample:
+                self._sample(now)
+                next_sample = schedule.pop(0) if schedule else now + SAMPLE_INTERVAL
+
+    def clean_up(self) -> None:
+        """Kill what the script left behind (as SLURM does when a batch script ends) and reap all of it."""
+        assert self._script is not None
+        limit = time.monotonic() + REAP_LIMIT
+        while time.monotonic() < limit:
+            self._reap()
+            left = self._tree.scan()
+            if not left:
+                break
+            self._signal_job(signal.SIGKILL)
+            self._sleep(0.05)
+        else:
+            _log(f"processes still alive after {REAP_LIMIT:g}s: {self._tree.pids()}")
+        self._reap()
+
+    def outcome(self, ending: str | None) -> dict[str, Any]:
+        status = self._script_status if self._script_status is not None else 0
+        exit_code = os.waitstatus_to_exitcode(status)
+        signum = -exit_code if exit_code < 0 else None
+        shell_code = 128 + signum if signum is not None else exit_code
+        walltime = float(self.limits["walltime_seconds"])
+        if ending == "timeout":
+            state, native, reason = "timeout", "TIMEOUT", f"walltime of {walltime:g}s exceeded"
+        elif ending == "cancelled":
+            state, native, reason = "cancelled", "CANCELLED", self.cancel_reason()
+        elif signum is not None:
+            name = signal_name(signum)
+            state, native = "failed", f"FAILED({name})"
+            reason = f"killed by signal {name}"
+            if signum == signal.SIGKILL:
+                reason += " (the kernel's OOM killer also uses SIGKILL; it cannot be told apart here)"
+        elif exit_code == 0:
+            state, native, reason = "completed", "COMPLETED", ""
+        else:
+            state, native, reason = "failed", "FAILED", f"exit code {exit_code}"
+        return {
+            "state": state,
+            "native_state": native,
+            "reason": reason,
+            "exit_code": shell_code,
+            "signal": signal_name(signum) if signum is not None else None,
+        }
+
+    def run(self) -> int:
+        slot = self.wait_for_slot()
+        if slot is None:
+            self.write_status(
+                durable=True,
+                state="cancelled",
+                native_state="CANCELLED",
+                reason=self.cancel_reason() + " before it started",
+                end_time=time.time(),
+            )
+            return 0
+        start_wall = time.time()
+        self._integrator = Integrator(time.monotonic())
+        _set_child_subreaper()
+        error = self.start_script()
+        if error is not None:
+            self.write_status(
+                durable=True, state="failed", native_state="FAILED", reason=error, end_time=time.time()
+            )
+            return 0
+        assert self._script is not None
+        leader = read_stat(self._script.pid)
+        self.write_status(
+            state="running",
+            native_state="RUNNING",
+            reason="",
+            start_time=start_wall,
+            job_pid=self._script.pid,
+            job_start_ticks=leader.start_ticks if leader else None,
+        )
+        ending = self.monitor()
+        end = self._end if self._end is not None else time.monotonic()
+        end_wall = start_wall + (end - self._integrator.start)
+        self.clean_up()
+        self._integrator.close(end, self._reaped_cpu, self._max_rss)
+        self.write_status(durable=True, end_time=end_wall, **self.outcome(ending))
+        return 0
+
+
+def _daemonize() -> None:
+    """Fork again so that the submitter reaps its child at once; the grandchild keeps the inherited fds."""
+    if os.fork() > 0:
+        os._exit(0)
+
+
+def main(argv: Iterable[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Supervise one local job (started by the local adapter).")
+    parser.add_argument("--lock-fd", type=int, required=True)
+    parser.add_argument("--ready-fd", type=int, required=True)
+    parser.add_argument("jobdir", type=Path)
+    args = parser.parse_args(None if argv is None else list(argv))
+    try:
+        # Re-locking an open file description that already holds the lock succeeds at once: a sanity check
+        # that the submitter passed the locked fd and nobody else runs this job.
+        fcntl.flock(args.lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as exc:
+        _log(f"the job lock was not handed over ({exc}); not starting")
+        return 2
+    meta = read_json(args.jobdir / META)
+    if meta is None:
+        _log(f"cannot read {args.jobdir / META}; not starting")
+        return 2
+    _daemonize()
+    supervisor = Supervisor(args.jobdir, meta)
+    supervisor.install_signals()
+    supervisor.write_status()
+    if not supervisor.mark_started():
+        _log("the job was already started by another supervisor; not running it twice")
+        return 3
+    with contextlib.suppress(OSError):  # the submitter died: the job runs anyway (that is the point)
+        os.write(args.ready_fd, READY)
+    os.close(args.ready_fd)
+    return supervisor.run()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

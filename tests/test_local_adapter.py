@@ -1,0 +1,533 @@
+"""The ``local`` adapter against real processes: outcomes, limits, cancel, crash safety, usage, hostile input.
+
+Nothing here is mocked: every job is a real bash script under a real detached supervisor. The crash tests
+SIGKILL real submitting processes (a separate Python process running the adapter) at chosen and at random
+moments.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pydantic
+import pytest
+
+from activities.schedulers import local_supervisor as sup
+from activities.schedulers.base import NativeStatus, SubmitRequest, registered
+from activities.schedulers.local import JOB_PATH, LocalAdapter, scheduler_job_id
+from virtengine_hpc.config import LocalSchedulerConfig
+from virtengine_hpc.errors import JobNotFound
+from virtengine_hpc.models import JobSpec, Resources
+from virtengine_hpc.states import FINAL_STATES, JobState
+
+REPO = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.timeout(120)
+
+
+def spec(job_id: str, body: str, **fields: Any) -> JobSpec:
+    return JobSpec(
+        job_id=job_id, tenant="tenant1", provider="provider1", offering_id="offer-1", script=body, **fields
+    )
+
+
+def request(workflow_id: str, body: str, **fields: Any) -> SubmitRequest:
+    return SubmitRequest(workflow_id=workflow_id, job=spec(workflow_id, body, **fields), body=body)
+
+
+async def wait_for(
+    adapter: LocalAdapter, job_id: str, states: frozenset[JobState] | set[JobState], timeout: float = 30.0
+) -> NativeStatus:
+    deadline = time.monotonic() + timeout
+    while True:
+        status = (await adapter.status_batch([job_id]))[job_id]
+        if status.state in states:
+            return status
+        if time.monotonic() > deadline:
+            pytest.fail(f"{job_id} still {status.state} ({status.reason}) after {timeout:g}s")
+        await asyncio.sleep(0.05)
+
+
+async def wait_final(adapter: LocalAdapter, job_id: str, timeout: float = 30.0) -> NativeStatus:
+    return await wait_for(adapter, job_id, FINAL_STATES, timeout)
+
+
+def wait_file(path: Path, timeout: float = 10.0) -> str:
+    deadline = time.monotonic() + timeout
+    while not (path.exists() and path.read_text().endswith("\n")):
+        if time.monotonic() > deadline:
+            pytest.fail(f"{path} did not appear")
+        time.sleep(0.02)
+    return path.read_text()
+
+
+def gone(pid: int) -> bool:
+    """The process is gone (or a zombie nobody reaped yet: it runs nothing any more)."""
+    stat = sup.read_stat(pid)
+    return stat is None or stat.state == "Z"
+
+
+def wait_gone(pid: int, timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while not gone(pid):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+def supervisor_pid(adapter: LocalAdapter, job_id: str) -> int:
+    status = sup.read_json(adapter.job_dir(job_id) / sup.STATUS)
+    assert status is not None
+    return int(status["supervisor_pid"])
+
+
+def stop_everything(state_dir: Path) -> None:
+    """Kill what a failing test left running, so it cannot disturb the next tests."""
+    for status_file in state_dir.glob("jobs/*/status.json"):
+        status = sup.read_json(status_file) or {}
+        if status.get("state") in sup.FINAL_STATES:
+            continue
+        if sup.is_same_process(status.get("supervisor_pid"), status.get("supervisor_start_ticks")):
+            os.kill(status["supervisor_pid"], signal.SIGKILL)
+        sup.kill_orphaned_group(status.get("job_pid"), status.get("job_start_ticks"))
+
+
+@pytest.fixture
+def make_adapter(tmp_path: Path) -> Iterator[Callable[..., LocalAdapter]]:
+    state_dir = tmp_path / "state"
+
+    def make(**config: Any) -> LocalAdapter:
+        config.setdefault("kill_wait", "1s")
+        return LocalAdapter(LocalSchedulerConfig(**config), state_dir, "test-cluster")
+
+    yield make
+    stop_everything(state_dir)
+
+
+def test_registered_by_name() -> None:
+    assert registered()["local"] is LocalAdapter
+
+
+# ---- outcomes ----------------------------------------------------------------------------------------------
+async def test_script_runs_to_completion_with_its_output(make_adapter: Callable[..., LocalAdapter]) -> None:
+    adapter = make_adapter()
+    body = 'echo "hello from $VIRTENGINE_JOB_ID"\necho oops >&2\n'
+    result = await adapter.submit(request("wf-ok", body))
+    assert not result.adopted
+    assert result.scheduler_job_id == scheduler_job_id("wf-ok")
+
+    status = await wait_final(adapter, result.scheduler_job_id)
+    assert (status.state, status.exit_code, status.reason) == (JobState.COMPLETED, 0, "")
+    assert status.start_time is not None and status.end_time is not None
+    assert status.start_time <= status.end_time
+
+    jobdir = adapter.job_dir(result.scheduler_job_id)
+    assert (jobdir / "stdout").read_text() == "hello from wf-ok\n"
+    assert (jobdir / "stderr").read_text() == "oops\n"
+    assert (jobdir / "job.sh").read_text() == "#!/bin/bash\n" + body
+    assert (jobdir / "job.sh").stat().st_mode & 0o777 == 0o700
+
+    usage = await adapter.usage(result.scheduler_job_id)
+    assert usage.final and usage.metrics.wall_clock_seconds > 0
+    assert usage.metrics.network_bytes_in is None and usage.metrics.energy_joules is None
+    assert await adapter.find("wf-ok") == result.scheduler_job_id
+    assert await adapter.find("wf-never-submitted") is None
+
+
+async def test_nonzero_exit_is_failed_with_its_code(make_adapter: Callable[..., LocalAdapter]) -> None:
+    adapter = make_adapter()
+    job_id = (await adapter.submit(request("wf-exit3", "echo partial\nexit 3\n"))).scheduler_job_id
+    status = await wait_final(adapter, job_id)
+    assert (status.state, status.exit_code, status.reason) == (JobState.FAILED, 3, "exit code 3")
+
+
+async def test_killed_by_a_signal_is_failed_naming_it(make_adapter: Callable[..., LocalAdapter]) -> None:
+    adapter = make_adapter()
+    job_id = (await adapter.submit(request("wf-sigkill", "kill -KILL $$\n"))).scheduler_job_id
+    status = await wait_final(adapter, job_id)
+    assert status.state == JobState.FAILED
+    assert status.exit_code == 128 + signal.SIGKILL
+    assert "killed by signal SIGKILL" in status.reason and "OOM" in status.reason
+
+
+async def test_missing_working_directory_fails_clearly(
+    make_adapter: Callable[..., LocalAdapter], tmp_path: Path
+) -> None:
+    adapter = make_adapter()
+    missing = str(tmp_path / "no-such-dir")
+    job_id = (await adapter.submit(request("wf-nowd", "true\n", working_directory=missing))).scheduler_job_id
+    status = await wait_final(adapter, job_id)
+    assert status.state == JobState.FAILED
+    assert missing in status.reason and "does not exist" in status.reason
+
+
+async def test_walltime_exceeded_is_timeout_even_when_sigterm_is_ignored(
+    make_adapter: Callable[..., LocalAdapter],
+) -> None:
+    adapter = make_adapter(max_walltime="1s", kill_wait="1s")
+    # The trap makes bash and its sleep ignore SIGTERM, so only the SIGKILL after kill_wait ends it.
+    body = "trap '' TERM\necho $$ > leader.pid\nsleep 300\n"
+    job_id = (await adapter.submit(request("wf-walltime", body))).scheduler_job_id
+    status = await wait_final(adapter, job_id, timeout=20)
+    assert status.state == JobState.TIMEOUT
+    assert "walltime of 1s exceeded" in status.reason
+    assert status.start_time is not None and status.end_time is not None
+    elapsed = (status.end_time - status.start_time).total_seconds()
+    assert 1.9 <= elapsed < 6, elapsed  # walltime 1 s + kill_wait 1 s
+    leader = int((adapter.job_dir(job_id) / "leader.pid").read_text())
+    assert wait_gone(leader)
+    usage = await adapter.usage(job_id)
+    assert usage.final and 1.9 <= usage.metrics.wall_clock_seconds < 6
+
+
+# ---- cancel ------------------------------------------------------------------------------------------------
+async def test_cancel_running_job_kills_all_of_its_processes(
+    make_adapter: Callable[..., LocalAdapter],
+) -> None:
+    adapter = make_adapter()
+    body = (
+        "sleep 300 &\necho $! > background.pid\n"
+        # Leaves the process group and double-forks: a daemon. The supervisor (a subreaper) still catches it.
+        "( setsid sleep 300 & echo $! > daemon.pid )\n"
+        "echo $$ > leader.pid\nwait\n"
+    )
+    job_id = (await adapter.submit(request("wf-cancel-running", body))).scheduler_job_id
+    await wait_for(adapter, job_id, {JobState.RUNNING})
+    jobdir = adapter.job_dir(job_id)
+    pids = [int(wait_file(jobdir / name)) for name in ("leader.pid", "background.pid", "daemon.pid")]
+
+    await adapter.cancel(job_id)
+    status = await wait_final(adapter, job_id, timeout=10)
+    assert status.state == JobState.CANCELLED
+    assert status.reason == "cancelled on request"
+    assert all(wait_gone(pid) for pid in pids), [sup.read_stat(p) for p in pids]
+    await adapter.cancel(job_id)  # cancelling again is a no-op
+
+
+async def test_cancel_queued_job_never_runs_it(
+    make_adapter: Callable[..., LocalAdapter], tmp_path: Path
+) -> None:
+    adapter = make_adapter(max_parallel_jobs=1)
+    first = (await adapter.submit(request("wf-slot-holder", "sleep 300\n"))).scheduler_job_id
+    await wait_for(adapter, first, {JobState.RUNNING})
+    ran = tmp_path / "queued-job-ran"
+    second = (await adapter.submit(request("wf-queued", f"touch {ran}\n"))).scheduler_job_id
+    await asyncio.sleep(0.6)  # several slot polls: it must still be waiting
+    assert (await adapter.status_batch([second]))[second].state == JobState.QUEUED
+
+    await adapter.cancel(second)
+    status = await wait_final(adapter, second, timeout=10)
+    assert status.state == JobState.CANCELLED
+    assert "before it started" in status.reason
+    assert status.start_time is None
+    assert not ran.exists()
+    usage = await adapter.usage(second)
+    assert usage.final and usage.metrics.wall_clock_seconds == 0
+    await adapter.cancel(first)
+    assert (await wait_final(adapter, first, timeout=10)).state == JobState.CANCELLED
+
+
+async def test_max_parallel_jobs_queues_until_a_slot_frees(make_adapter: Callable[..., LocalAdapter]) -> None:
+    adapter = make_adapter(max_parallel_jobs=1)
+    first = (await adapter.submit(request("wf-first", "sleep 1\n"))).scheduler_job_id
+    await wait_for(adapter, first, {JobState.RUNNING})
+    second = (await adapter.submit(request("wf-second", "true\n"))).scheduler_job_id
+    assert (await adapter.status_batch([second]))[second].state == JobState.QUEUED
+    done = await adapter.status_batch([first, second])
+    assert done[first].state == JobState.RUNNING
+    a = await wait_final(adapter, first)
+    b = await wait_final(adapter, second)
+    assert a.state == b.state == JobState.COMPLETED
+    assert a.end_time is not None and b.start_time is not None and b.start_time >= a.end_time
+
+
+async def test_cancel_after_the_end_is_a_no_op(make_adapter: Callable[..., LocalAdapter]) -> None:
+    adapter = make_adapter()
+    job_id = (await adapter.submit(request("wf-done", "true\n"))).scheduler_job_id
+    assert (await wait_final(adapter, job_id)).state == JobState.COMPLETED
+    await adapter.cancel(job_id)
+    status = (await adapter.status_batch([job_id]))[job_id]
+    assert (status.state, status.exit_code) == (JobState.COMPLETED, 0)
+    with pytest.raises(JobNotFound):
+        await adapter.cancel(scheduler_job_id("wf-unknown"))
+
+
+async def test_unknown_and_malformed_ids_are_not_found(make_adapter: Callable[..., LocalAdapter]) -> None:
+    adapter = make_adapter()
+    known = (await adapter.submit(request("wf-known", "true\n"))).scheduler_job_id
+    ids = [known, scheduler_job_id("wf-unknown"), "../../../etc", "12345", "local-" + "0" * 20]
+    statuses = await adapter.status_batch(ids)
+    assert statuses[known].found
+    assert [statuses[i].found for i in ids[1:]] == [False] * 4
+    with pytest.raises(JobNotFound):
+        await adapter.usage("../../../etc")
+
+
+# ---- crash safety ------------------------------------------------------------------------------------------
+SUBMITTER = r"""
+import asyncio, os, signal, sys
+from pathlib import Path
+from activities.schedulers.base import SubmitRequest
+from activities.schedulers.local import LocalAdapter
+from virtengine_hpc.config import LocalSchedulerConfig
+from virtengine_hpc.models import JobSpec
+
+state, runs, crash, *workflow_ids = sys.argv[1:]
+adapter = LocalAdapter(LocalSchedulerConfig(), Path(state), "test-cluster")
+
+def die(*_args):
+    os.kill(os.getpid(), signal.SIGKILL)
+
+if crash == "before_spawn":  # job directory written and locked, supervisor not started yet
+    adapter._spawn_supervisor = die
+elif crash == "after_spawn":  # supervisor started, before it confirmed and before submit returned
+    adapter._await_ready = die
+
+async def main():
+    for wf in workflow_ids:
+        body = 'echo "$VIRTENGINE_WORKFLOW_ID" >> "$RUNS"\nsleep 0.2\n'
+        job = JobSpec(job_id=wf, tenant="tenant1", provider="provider1", offering_id="offer-1", script=body,
+                      environment={"RUNS": runs})
+        await adapter.submit(SubmitRequest(workflow_id=wf, job=job, body=body))
+        print(wf, flush=True)
+    if crash == "after_return":  # submit returned, the activity never reported it
+        die()
+
+asyncio.run(main())
+"""
+
+
+def start_submitter(
+    state_dir: Path, runs: Path, crash: str, workflow_ids: list[str]
+) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-c", SUBMITTER, str(state_dir), str(runs), crash, *workflow_ids],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+
+
+RUNS_BODY = 'echo "$VIRTENGINE_WORKFLOW_ID" >> "$RUNS"\nsleep 0.2\n'
+
+
+def runs_request(workflow_id: str, runs: Path) -> SubmitRequest:
+    """The request the submitter child sends: a retried activity sends the very same input."""
+    return request(workflow_id, RUNS_BODY, environment={"RUNS": str(runs)})
+
+
+def runs_of(runs: Path) -> list[str]:
+    return runs.read_text().split() if runs.exists() else []
+
+
+@pytest.mark.parametrize("crash", ["before_spawn", "after_spawn", "after_return"])
+async def test_exactly_once_when_the_submitter_is_killed(
+    make_adapter: Callable[..., LocalAdapter], tmp_path: Path, crash: str
+) -> None:
+    adapter = make_adapter()
+    runs = tmp_path / "runs"
+    wf = f"wf-crash-{crash.replace('_', '-')}"
+    child = start_submitter(adapter.state_dir, runs, crash, [wf])
+    child.communicate(timeout=60)
+    assert child.returncode == -signal.SIGKILL
+
+    # The retried submit (the next activity attempt) adopts what the dead one started, or starts it if nothing
+    # ran.
+    retry = await adapter.submit(runs_request(wf, runs))
+    assert retry.adopted == (crash != "before_spawn")
+    assert (await wait_final(adapter, retry.scheduler_job_id)).state == JobState.COMPLETED
+    assert (await adapter.submit(runs_request(wf, runs))).adopted
+    assert runs_of(runs) == [wf]
+
+
+async def test_exactly_once_when_the_submitter_dies_at_random_moments(
+    make_adapter: Callable[..., LocalAdapter], tmp_path: Path
+) -> None:
+    adapter = make_adapter()
+    rng = random.Random(20261130)
+    runs = tmp_path / "runs"
+    all_ids: list[str] = []
+    for round_ in range(3):
+        ids = [f"wf-random-{round_}-{n}" for n in range(6)]
+        all_ids += ids
+        child = start_submitter(adapter.state_dir, runs, "none", ids)
+        assert child.stdout is not None
+        child.stdout.readline()  # one submit done: the next ones are in flight
+        time.sleep(rng.uniform(0, 0.08))
+        child.kill()
+        child.communicate(timeout=30)
+        for wf in ids:  # every workflow retries its submit
+            await adapter.submit(runs_request(wf, runs))
+    statuses = [await wait_final(adapter, scheduler_job_id(wf)) for wf in all_ids]
+    assert all(s.state == JobState.COMPLETED for s in statuses)
+    assert sorted(runs_of(runs)) == sorted(all_ids)
+
+
+async def test_concurrent_submits_of_one_workflow_start_one_job(
+    make_adapter: Callable[..., LocalAdapter], tmp_path: Path
+) -> None:
+    adapter, other = make_adapter(), make_adapter()
+    runs = tmp_path / "runs"
+    body = 'echo run >> "$RUNS"\n'
+    req = SubmitRequest(
+        workflow_id="wf-race", job=spec("wf-race", body, environment={"RUNS": str(runs)}), body=body
+    )
+    results = await asyncio.gather(*(a.submit(req) for a in [adapter, other] * 4))
+    assert sorted(r.adopted for r in results) == [False] + [True] * 7
+    assert len({r.scheduler_job_id for r in results}) == 1
+    await wait_final(adapter, results[0].scheduler_job_id)
+    assert runs_of(runs) == ["run"]
+
+
+async def test_a_killed_supervisor_is_reported_failed_not_completed(
+    make_adapter: Callable[..., LocalAdapter],
+) -> None:
+    adapter = make_adapter()
+    job_id = (await adapter.submit(request("wf-lost", "echo $$ > leader.pid\nsleep 300\n"))).scheduler_job_id
+    await wait_for(adapter, job_id, {JobState.RUNNING})
+    leader = int(wait_file(adapter.job_dir(job_id) / "leader.pid"))
+    os.kill(supervisor_pid(adapter, job_id), signal.SIGKILL)
+
+    status = await wait_final(adapter, job_id, timeout=10)
+    assert status.state == JobState.FAILED
+    assert status.native_state == "SUPERVISOR_LOST"
+    assert "supervisor died" in status.reason
+    assert wait_gone(leader), "the orphaned job kept running"
+    # The verdict is recorded: a fresh adapter (a restarted worker) sees the same, and never "completed".
+    fresh = make_adapter()
+    assert (await fresh.status_batch([job_id]))[job_id].state == JobState.FAILED
+    assert (await fresh.usage(job_id)).final
+    await fresh.cancel(job_id)  # ended: a no-op
+
+
+# ---- usage -------------------------------------------------------------------------------------------------
+BURNER = """
+import sys, time
+memory = bytearray(int(sys.argv[1]) * 1024 * 1024)
+for i in range(0, len(memory), 4096):
+    memory[i] = 1
+while time.process_time() < float(sys.argv[2]):
+    pass
+print(time.process_time())
+"""
+
+
+async def test_usage_follows_real_cpu_and_memory_and_never_goes_back(
+    make_adapter: Callable[..., LocalAdapter], tmp_path: Path
+) -> None:
+    adapter = make_adapter()
+    burner = tmp_path / "burn.py"
+    burner.write_text(BURNER)
+    body = '"$PY" "$BURN" 96 1.5 > cpu1 &\n"$PY" "$BURN" 16 1.0 > cpu2\nwait\n'
+    env = {"PY": sys.executable, "BURN": str(burner)}
+    resources = Resources(nodes=2, gpus_per_node=1, storage_gb=10)
+    job_id = (
+        await adapter.submit(request("wf-burn", body, environment=env, resources=resources))
+    ).scheduler_job_id
+
+    readings = []
+    while True:
+        usage = await adapter.usage(job_id)
+        readings.append(usage)
+        if usage.final:
+            break
+        await asyncio.sleep(0.2)
+    final = readings[-1].metrics
+    running = [r.metrics for r in readings[:-1] if r.metrics.cpu_core_seconds > 0]
+    assert len(running) >= 2, "usage must be measured while the job runs, not only at the end"
+    for name in ("wall_clock_seconds", "cpu_core_seconds", "memory_gb_seconds", "node_hours", "gpu_seconds"):
+        values = [getattr(r.metrics, name) for r in readings]
+        assert values == sorted(values), f"{name} went backwards: {values}"
+    peaks = [r.metrics.memory_bytes_max or 0 for r in readings]
+    assert peaks == sorted(peaks)
+
+    jobdir = adapter.job_dir(job_id)
+    real_cpu = float((jobdir / "cpu1").read_text()) + float((jobdir / "cpu2").read_text())
+    measured = float(final.cpu_core_seconds)
+    assert abs(measured - real_cpu) / real_cpu < 0.15, (measured, real_cpu)
+    assert final.memory_bytes_max is not None and final.memory_bytes_max >= 96 * 2**20
+    assert final.memory_gb_seconds > 0
+    wall = final.wall_clock_seconds
+    assert final.node_hours == (2 * wall / 3600).quantize(final.node_hours)
+    assert final.gpu_seconds == 2 * wall
+    assert final.storage_gb_hours == (10 * wall / 3600).quantize(final.storage_gb_hours)
+
+
+# ---- what a tenant cannot do -------------------------------------------------------------------------------
+async def test_hostile_strings_never_reach_a_shell(
+    make_adapter: Callable[..., LocalAdapter], tmp_path: Path
+) -> None:
+    adapter = make_adapter()
+    pwned = tmp_path / "pwned"
+    pwned.mkdir()
+    hostile = {
+        "DOLLAR": f"$(touch {pwned}/dollar)",
+        "BACKTICK": f"`touch {pwned}/backtick`",
+        "SEMI": f"x; touch {pwned}/semi",
+        "AND": f"x && touch {pwned}/and | cat",
+        "QUOTES": f"'\"; touch {pwned}/quotes; echo \"'",
+    }
+    body = "".join(f'printf "%s\\n" "${name}"\n' for name in hostile)
+    job_id = (await adapter.submit(request("wf-hostile", body, environment=hostile))).scheduler_job_id
+    assert (await wait_final(adapter, job_id)).state == JobState.COMPLETED
+    assert (adapter.job_dir(job_id) / "stdout").read_text().splitlines() == list(hostile.values())
+    assert list(pwned.iterdir()) == []
+    # Names and paths a shell could misread never get this far.
+    for bad in (
+        {"name": "x;touch"},
+        {"working_directory": "/tmp/$(touch)"},
+        {"environment": {"BASH_ENV": "/tmp/x"}},
+        {"environment": {"A;B": "1"}},
+    ):
+        with pytest.raises(pydantic.ValidationError):
+            spec("wf-bad", "true", **bad)
+    with pytest.raises(pydantic.ValidationError):
+        SubmitRequest(workflow_id="wf;rm -rf", job=spec("wf-bad", "true"), body="true")
+
+
+async def test_job_environment_is_clean_and_describes_the_allocation(
+    make_adapter: Callable[..., LocalAdapter], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("SLURM_JWT_TOKEN", "worker-secret-token")
+    adapter = make_adapter()
+    workdir = tmp_path / "workdir"
+    workdir.mkdir()
+    resources = Resources(nodes=2, tasks_per_node=3, cpus_per_task=2)
+    req = request(
+        "wf-env",
+        "pwd\nenv\n",
+        resources=resources,
+        working_directory=str(workdir),
+        environment={"MY_SETTING": "on"},
+    )
+    job_id = (await adapter.submit(req)).scheduler_job_id
+    assert (await wait_final(adapter, job_id)).state == JobState.COMPLETED
+    lines = (adapter.job_dir(job_id) / "stdout").read_text().splitlines()
+    assert lines[0] == str(workdir)
+    env = dict(line.split("=", 1) for line in lines[1:] if "=" in line)
+    assert "worker-secret-token" not in "\n".join(lines)
+    assert env["PATH"] == JOB_PATH
+    assert env["MY_SETTING"] == "on"
+    assert env["VIRTENGINE_JOB_ID"] == "wf-env"
+    assert env["VIRTENGINE_SCHEDULER_JOB_ID"] == job_id
+    assert env["SLURM_NTASKS"] == env["VIRTENGINE_NTASKS"] == "6"
+    assert env["SLURM_NNODES"] == "2" and env["SLURM_CPUS_PER_TASK"] == "2"
+    assert "SLURM_JOB_ID" not in env and "SLURM_JOBID" not in env
+
+
+async def test_a_restarted_worker_finds_its_jobs(make_adapter: Callable[..., LocalAdapter]) -> None:
+    first = make_adapter()
+    job_id = (await first.submit(request("wf-restart", "sleep 0.3\n"))).scheduler_job_id
+    await first.close()
+    second = make_adapter()
+    assert await second.find("wf-restart") == job_id
+    assert (await wait_final(second, job_id)).state == JobState.COMPLETED
