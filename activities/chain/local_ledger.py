@@ -358,8 +358,12 @@ class LocalLedger:
         except sqlite3.Error as exc:
             raise ChainError(f"cannot open ledger {self.path}: {exc}", transient=True) from None
         conn.row_factory = sqlite3.Row
-        # NORMAL is durable across process crashes in WAL mode (only a power cut can lose the last commits).
-        conn.execute("PRAGMA synchronous=NORMAL")
+        try:
+            # WAL + NORMAL survives process crashes; only a power cut can lose the last commits.
+            conn.execute("PRAGMA synchronous=NORMAL")
+        except sqlite3.DatabaseError as exc:
+            conn.close()
+            raise ChainError(f"ledger {self.path} is not a usable SQLite database: {exc}") from None
         return conn
 
     @contextmanager

@@ -1,0 +1,204 @@
+"""The audit log's hash chain: intact logs verify, and an edited, removed, inserted or reordered line is
+found, by ``verify_log`` and through ``virtengine-hpc audit verify``; ``audit show`` filters events."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from activities.audit import AuditLog, verify_log
+from virtengine_hpc.cli import main as cli_main
+from virtengine_hpc.config import AuditConfig
+
+REPO = Path(__file__).resolve().parents[1]
+Cli = Callable[..., tuple[int, str, str]]
+
+
+@pytest.fixture
+def log(tmp_path: Path) -> Path:
+    """Eight events of three jobs, as a worker would write them."""
+    path = tmp_path / "audit.log"
+    audit = AuditLog(AuditConfig(log_path=path))
+    audit.record("service_started", details={"pid": 1})
+    for job in ("JOB-1", "JOB-2"):
+        audit.record("job_submitted", job_id=job, cluster_id="c1", details={"scheduler_job_id": "7"})
+        audit.record(
+            "job_lifecycle_event", job_id=job, cluster_id="c1", details={"from": "pending", "to": "queued"}
+        )
+    audit.record("job_validation_failed", job_id="JOB-3", success=False, error_msg="nodes must be >= 1")
+    audit.record(
+        "routing_violation", job_id="JOB-3", severity=4, details={"violation_type": "missing_decision"}
+    )
+    audit.record("usage_reported", job_id="JOB-1", cluster_id="c1", details={"record_id": "c1/JOB-1/1"})
+    return path
+
+
+@pytest.fixture
+def cli(tmp_path: Path, log: Path, capsys: pytest.CaptureFixture[str]) -> Cli:
+    """The CLI with a config whose ``hpc.audit.log_path`` is the fixture's log."""
+    config = tmp_path / "config.yaml"
+    config.write_text(json.dumps({"hpc": {"audit": {"log_path": str(log)}}}))
+
+    def run(*argv: str) -> tuple[int, str, str]:
+        code = cli_main(["--config", str(config), *argv])
+        out, err = capsys.readouterr()
+        return code, out, err
+
+    return run
+
+
+def lines(path: Path) -> list[str]:
+    return path.read_text().splitlines(keepends=True)
+
+
+def rewrite(path: Path, new_lines: list[str]) -> None:
+    path.write_text("".join(new_lines))
+
+
+def test_an_intact_log_verifies(log: Path, cli: Cli) -> None:
+    result = verify_log(log)
+    assert result.ok and result.lines == 8
+    code, out, _ = cli("audit", "verify")
+    assert code == 0
+    last = json.loads(lines(log)[-1])
+    assert out.strip() == f"OK    {log}: 8 lines, hash chain intact; head seq 8 hash {last['hash']}"
+
+
+def test_an_edited_line_is_found(log: Path, cli: Cli) -> None:
+    content = lines(log)
+    entry = json.loads(content[4])
+    entry["details"]["to"] = "running"  # a quiet change of history
+    content[4] = json.dumps(entry, sort_keys=True) + "\n"
+    rewrite(log, content)
+    code, out, _ = cli("audit", "verify")
+    assert code == 1
+    expected = "at line 5: line content does not match its hash (edited) (4 lines verified before it)"
+    assert out.strip() == f"FAIL  {log} {expected}"
+
+
+def test_an_edit_with_a_recomputed_hash_still_breaks_the_next_line(log: Path, cli: Cli) -> None:
+    from activities.audit import _line_hash
+
+    content = lines(log)
+    entry = json.loads(content[5])
+    entry.pop("hash")
+    entry["success"] = True  # hide the validation failure ...
+    entry["error_msg"] = None
+    entry["hash"] = _line_hash(entry["prev_hash"], entry)  # ... and forge this line's own hash
+    content[5] = json.dumps(entry, sort_keys=True) + "\n"
+    rewrite(log, content)
+    code, out, _ = cli("audit", "verify")
+    assert code == 1 and "at line 7" in out and "removed, inserted or reordered" in out
+
+
+@pytest.mark.parametrize(
+    ("change", "bad_line"),
+    [
+        (lambda c: c[:3] + c[4:], 4),  # a line removed from the middle
+        (lambda c: c[1:], 1),  # the first line removed
+        (lambda c: [*c[:2], c[3], c[2], *c[4:]], 3),  # two lines swapped
+        (lambda c: [*c[:5], c[2], *c[5:]], 6),  # an old line replayed
+    ],
+    ids=["removed", "first-removed", "reordered", "duplicated"],
+)
+def test_removed_reordered_or_inserted_lines_are_found(
+    log: Path, cli: Cli, change: Callable[[list[str]], list[str]], bad_line: int
+) -> None:
+    rewrite(log, change(lines(log)))
+    result = verify_log(log)
+    assert not result.ok and result.bad_line == bad_line
+    code, out, _ = cli("audit", "verify", "--file", str(log))
+    assert code == 1
+    assert f"at line {bad_line}: chain broken: a line was removed, inserted or reordered" in out
+
+
+def test_garbage_and_blank_lines_are_found(log: Path, cli: Cli) -> None:
+    content = lines(log)
+    rewrite(log, [*content[:2], "not json\n", *content[2:]])
+    code, out, _ = cli("audit", "verify")
+    assert code == 1 and "at line 3: line is not valid JSON" in out
+    rewrite(log, [*content[:2], "\n", *content[2:]])
+    code, out, _ = cli("audit", "verify")
+    assert code == 1 and "at line 3: blank line" in out
+
+
+def test_an_anchor_catches_lines_cut_from_the_end(log: Path, cli: Cli) -> None:
+    head = json.loads(lines(log)[-1])["hash"]
+    assert cli("audit", "verify", "--anchor", head)[0] == 0
+    rewrite(log, lines(log)[:-2])  # the chain itself still verifies ...
+    assert verify_log(log).ok
+    code, out, _ = cli("audit", "verify", "--anchor", head)  # ... the anchor does not
+    assert code == 1 and "is not in the chain" in out
+
+
+def test_a_missing_log_is_reported(tmp_path: Path, cli: Cli) -> None:
+    code, out, _ = cli("audit", "verify", "--file", str(tmp_path / "nope.log"))
+    assert code == 1 and "cannot read" in out
+
+
+_APPENDER = textwrap.dedent(
+    """
+    import sys
+    from pathlib import Path
+    from activities.audit import AuditLog
+    from virtengine_hpc.config import AuditConfig
+
+    audit = AuditLog(AuditConfig(log_path=Path(sys.argv[1])))
+    for i in range(int(sys.argv[3])):
+        audit.record("status_reported", job_id=f"{sys.argv[2]}-{i}", details={"state": "running"})
+    """
+)
+
+
+def test_two_processes_appending_keep_one_chain(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "shared-audit.log"
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", _APPENDER, str(path), name, "150"], cwd=REPO, stderr=subprocess.PIPE
+        )
+        for name in ("worker", "poller")
+    ]
+    for proc in procs:
+        _, err = proc.communicate(timeout=120)
+        assert proc.returncode == 0, err
+    assert cli_main(["audit", "verify", "--file", str(path)]) == 0
+    assert "300 lines, hash chain intact" in capsys.readouterr().out
+
+
+# ---- audit show --------------------------------------------------------------------------------------------
+
+
+def test_audit_show_filters_by_job_event_and_tail(cli: Cli) -> None:
+    code, out, _ = cli("audit", "show")
+    assert code == 0 and len(out.splitlines()) == 8
+
+    code, out, _ = cli("audit", "show", "--job", "JOB-1")
+    shown = out.splitlines()
+    assert [line.split()[3] for line in shown] == ["job_submitted", "job_lifecycle_event", "usage_reported"]
+
+    code, out, _ = cli("audit", "show", "--job", "JOB-3", "--json")
+    events = [json.loads(line) for line in out.splitlines()]
+    assert [e["event_type"] for e in events] == ["job_validation_failed", "routing_violation"]
+    assert events[0]["success"] is False and events[1]["severity"] == 4
+
+    code, out, _ = cli("audit", "show", "--event", "job_lifecycle_event", "--tail", "1")
+    assert len(out.splitlines()) == 1 and "JOB-2" in out and '"to":"queued"' in out
+
+    code, out, _ = cli("audit", "show", "--job", "JOB-3", "--event", "job_validation_failed")
+    assert "FAIL" in out and "nodes must be >= 1" in out
+
+    code, _, err = cli("audit", "show", "--event", "no_such_event")
+    assert code == 2 and "unknown event type" in err
+
+
+def test_audit_show_skips_a_garbled_line_with_a_warning(log: Path, cli: Cli) -> None:
+    rewrite(log, [*lines(log), "{garbled\n"])
+    code, out, err = cli("audit", "show", "--tail", "2")
+    assert code == 0 and len(out.splitlines()) == 2
+    assert "line 9 is not JSON" in err

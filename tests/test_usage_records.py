@@ -1,0 +1,326 @@
+"""Usage records as a third party sees them: the documented format verifies with nothing but ``json``,
+``base64`` and ``cryptography``; ``usage export`` gives that form; ``usage verify`` catches every kind of
+tampering."""
+
+from __future__ import annotations
+
+import ast
+import base64
+import json
+import re
+import subprocess
+import sys
+from collections.abc import Callable
+from datetime import UTC, datetime, timedelta
+from decimal import Decimal
+from pathlib import Path
+from typing import Any
+
+import pytest
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+from activities.chain.client import StatusReport
+from activities.chain.local_ledger import LocalLedger
+from virtengine_hpc.cli import main as cli_main
+from virtengine_hpc.models import UsageMetrics, UsageRecord
+from virtengine_hpc.signing import Signer, public_key_b64
+from virtengine_hpc.states import JobState
+from virtengine_hpc.usage import record_id, sign_record, signing_payload, verify_record
+
+REPO = Path(__file__).resolve().parents[1]
+DOC = REPO / "docs" / "usage-records.md"
+PROVIDER = "virtengine1provider0test"
+TENANT = "virtengine1tenant0alice"
+CLUSTER = "local-cluster"
+T0 = datetime(2026, 11, 30, 12, 0, tzinfo=UTC)
+
+Cli = Callable[..., tuple[int, str, str]]
+
+
+def doc_blocks(language: str) -> list[str]:
+    return re.findall(rf"```{language}\n(.*?)```", DOC.read_text(), flags=re.S)
+
+
+def make_records(signer: Signer, job_id: str, count: int = 3) -> list[UsageRecord]:
+    """A job's records as the workflow makes them: cumulative readings differenced, the last one final."""
+    records = []
+    for seq in range(1, count + 1):
+        final = seq == count
+        unsigned = UsageRecord(
+            record_id=record_id(CLUSTER, job_id, seq),
+            job_id=job_id,
+            cluster_id=CLUSTER,
+            scheduler_job_id="ジョブ-4242" if seq == 1 else "4242",  # non-ASCII must survive verbatim
+            provider=PROVIDER,
+            tenant=TENANT,
+            sequence=seq,
+            period_start=T0 + timedelta(minutes=5 * (seq - 1)),
+            period_end=T0 + timedelta(minutes=5 * seq, microseconds=123),
+            job_state=JobState.COMPLETED if final else JobState.RUNNING,
+            is_final=final,
+            metrics=UsageMetrics(
+                wall_clock_seconds=Decimal("300.000000"),
+                cpu_core_seconds=Decimal("598.250000"),
+                memory_gb_seconds=Decimal("15.728640"),
+                node_hours=Decimal("0.083333"),
+                network_bytes_in=1024 * seq,
+                energy_joules=Decimal("12.5") if seq == 2 else None,
+                memory_bytes_max=52_428_800,
+            ),
+            created_at=T0 + timedelta(minutes=5 * seq, seconds=1),
+            key_id="",
+        )
+        records.append(sign_record(unsigned, signer))
+    return records
+
+
+@pytest.fixture
+def workspace(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> tuple[Cli, LocalLedger, Signer, Path]:
+    """A ledger created by the CLI with a generated provider key, and a finished job with three records on
+    it."""
+    config = tmp_path / "config.yaml"
+    config.write_text(
+        json.dumps(
+            {
+                "hpc": {
+                    "cluster_id": CLUSTER,
+                    "job_service": {"state_store_path": str(tmp_path / "state")},
+                    "audit": {"log_path": str(tmp_path / "audit.log")},
+                },
+                "provider": {"address": PROVIDER},
+            }
+        )
+    )
+
+    def cli(*argv: str) -> tuple[int, str, str]:
+        code = cli_main(["--config", str(config), *argv])
+        out, err = capsys.readouterr()
+        return code, out, err
+
+    key = tmp_path / "provider.key"
+    assert cli("ledger", "init", "--generate-key", str(key))[0] == 0
+    ledger = LocalLedger(tmp_path / "state" / "ledger.db")
+    return cli, ledger, Signer.from_file(key), key
+
+
+async def finished_job(ledger: LocalLedger, signer: Signer) -> tuple[str, list[UsageRecord]]:
+    ledger.fund(TENANT, "10")
+    job_id = ledger.submit_job(
+        {"tenant": TENANT, "provider": PROVIDER, "offering_id": f"{CLUSTER}-standard", "max_price": "5"}
+    )
+    for state in (JobState.QUEUED, JobState.RUNNING):
+        await ledger.report_status(StatusReport(job_id=job_id, state=state, cluster_id=CLUSTER))
+    records = make_records(signer, job_id)
+    result = await ledger.submit_usage(records)
+    assert len(result.accepted) == 3
+    return job_id, records
+
+
+def export(cli: Cli, job_id: str, path: Path) -> list[dict[str, Any]]:
+    code, _, err = cli("usage", "export", "--job", job_id, "--output", str(path))
+    assert code == 0, err
+    exported: list[dict[str, Any]] = json.loads(path.read_text())
+    return exported
+
+
+def run_doc_script(script: Path, records: Path, public_b64: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-I", str(script), str(records), public_b64],
+        cwd=script.parent,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+# ---- the documented format ---------------------------------------------------------------------------------
+
+
+async def test_the_docs_verifier_checks_records_this_project_signed(
+    workspace: tuple[Cli, LocalLedger, Signer, Path], tmp_path: Path
+) -> None:
+    cli, ledger, signer, _ = workspace
+    job_id, records = await finished_job(ledger, signer)
+    exported = export(cli, job_id, tmp_path / "records.json")
+    assert [r["record_id"] for r in exported] == [r.record_id for r in records]
+
+    code = next(block for block in doc_blocks("python") if "Ed25519PublicKey" in block)
+    imported = set()
+    for node in ast.walk(ast.parse(code)):
+        if isinstance(node, ast.Import):
+            imported |= {alias.name.split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            imported.add((node.module or "").split(".")[0])
+    assert imported <= {"base64", "hashlib", "json", "sys", "cryptography"}, imported
+    script = tmp_path / "verify_usage.py"
+    script.write_text(code)
+
+    public = public_key_b64(signer.public_key)
+    good = run_doc_script(script, tmp_path / "records.json", public)
+    assert good.returncode == 0, good.stdout + good.stderr
+    assert good.stdout.split("\n")[:3] == [f"OK   {r.record_id}" for r in records]
+
+    # Change one digit of one metric: the documented verifier must see it.
+    exported[1]["metrics"]["cpu_core_seconds"] = "598.26"
+    (tmp_path / "tampered.json").write_text(json.dumps(exported))
+    bad = run_doc_script(script, tmp_path / "tampered.json", public)
+    assert bad.returncode == 1
+    assert bad.stdout.split("\n")[:3] == [
+        f"OK   {records[0].record_id}",
+        f"FAIL {records[1].record_id}",
+        f"OK   {records[2].record_id}",
+    ]
+    # Another provider's key verifies nothing.
+    stranger = public_key_b64(Signer.generate().public_key)
+    assert run_doc_script(script, tmp_path / "records.json", stranger).stdout.count("FAIL") == 3
+
+
+def test_the_documented_test_vector_matches_the_code() -> None:
+    text = DOC.read_text()
+    seed = bytes.fromhex(re.search(r"`([0-9a-f]{64})`; public key", text).group(1))  # type: ignore[union-attr]
+    blocks = doc_blocks("text")
+    public_b64 = blocks[0].strip()
+    tag, body = blocks[1].rstrip("\n").split("\n")
+    signature = blocks[2].strip()
+
+    signer = Signer(Ed25519PrivateKey.from_private_bytes(seed))
+    assert public_key_b64(signer.public_key) == public_b64
+    assert f"`key_id`: `{signer.key_id}`" in text
+    record = UsageRecord.model_validate({**json.loads(body), "signature": signature})
+    assert signing_payload(record) == f"{tag}\n{body}".encode()
+    assert verify_record(record, signer.public_key)
+    assert sign_record(record, signer).signature == signature  # Ed25519 is deterministic
+
+
+async def test_export_is_the_canonical_form(
+    workspace: tuple[Cli, LocalLedger, Signer, Path], tmp_path: Path
+) -> None:
+    cli, ledger, signer, _ = workspace
+    job_id, records = await finished_job(ledger, signer)
+    exported = export(cli, job_id, tmp_path / "records.json")
+    for item, record in zip(exported, records, strict=True):
+        body = {k: v for k, v in item.items() if k != "signature"}
+        dumped = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+        assert signing_payload(record) == b"virtengine-hpc/usage-record/v1\n" + dumped.encode()
+        assert item["signature"] == record.signature
+    first = exported[0]
+    assert first["metrics"]["cpu_core_seconds"] == "598.25" and first["metrics"]["gpu_seconds"] == "0"
+    assert first["period_end"] == "2026-11-30T12:05:00.000123Z"
+    assert first["scheduler_job_id"] == "ジョブ-4242"
+    code, _, err = cli("usage", "export", "--job", "JOB-404")
+    assert code == 2 and "unknown job" in err
+
+
+# ---- usage verify ------------------------------------------------------------------------------------------
+
+
+async def test_usage_verify_accepts_a_whole_job(
+    workspace: tuple[Cli, LocalLedger, Signer, Path], tmp_path: Path
+) -> None:
+    cli, ledger, signer, key = workspace
+    job_id, records = await finished_job(ledger, signer)
+    code, out, _ = cli("usage", "verify", "--job", job_id)  # keys registered on the ledger
+    assert code == 0, out
+    assert [line.split()[:2] for line in out.splitlines()[:3]] == [["OK", r.record_id] for r in records]
+    assert f"OK    job {job_id}: 3 records, sequences 1..3 gapless, one final record" in out
+    assert out.rstrip().endswith("3 records: 3 ok, 0 failed")
+
+    export(cli, job_id, tmp_path / "records.json")
+    public = public_key_b64(signer.public_key)
+    assert cli("usage", "verify", "--file", str(tmp_path / "records.json"), "--public-key", public)[0] == 0
+    assert cli("usage", "verify", "--file", str(tmp_path / "records.json"), "--key-file", str(key))[0] == 0
+    pem = tmp_path / "provider.pub.pem"
+    pem.write_bytes(
+        signer.public_key.public_bytes(
+            serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
+        )
+    )
+    assert cli("usage", "verify", "--file", str(tmp_path / "records.json"), "--key-file", str(pem))[0] == 0
+    # Another rendering of the same records (trailing zeros, "+00:00" times) is canonicalized before checking.
+    pydantic_form = tmp_path / "pydantic.json"
+    pydantic_form.write_text(json.dumps([r.model_dump(mode="json") for r in records]))
+    assert "598.250000" in pydantic_form.read_text()
+    assert cli("usage", "verify", "--file", str(pydantic_form), "--public-key", public)[0] == 0
+
+
+async def test_usage_verify_catches_tampering(
+    workspace: tuple[Cli, LocalLedger, Signer, Path], tmp_path: Path
+) -> None:
+    cli, ledger, signer, _ = workspace
+    job_id, records = await finished_job(ledger, signer)
+    good = export(cli, job_id, tmp_path / "records.json")
+    public = public_key_b64(signer.public_key)
+
+    def verify(items: list[dict[str, Any]], *extra: str) -> tuple[int, str]:
+        path = tmp_path / "case.json"
+        path.write_text(json.dumps(items))
+        code, out, _ = cli("usage", "verify", "--file", str(path), *(extra or ("--public-key", public)))
+        return code, out
+
+    inflated = json.loads(json.dumps(good))
+    inflated[2]["metrics"]["node_hours"] = "8.083333"
+    code, out = verify(inflated)
+    assert code == 1
+    assert f"FAIL  {records[2].record_id}" in out and "signature does not verify" in out
+    assert out.rstrip().endswith("3 records: 2 ok, 1 failed")
+
+    code, out = verify([good[0], good[2]])  # a period removed
+    assert code == 1 and f"FAIL  job {job_id}: sequence gap: missing 2" in out
+
+    code, out = verify([good[0], good[1]])  # the final record withheld
+    assert code == 1 and "no final record" in out
+
+    code, out = verify([*good, good[1]])  # a period counted twice
+    assert code == 1 and "sequence repeated: 2" in out
+
+    promoted = json.loads(json.dumps(good))
+    promoted[1]["is_final"] = True  # two finals, and the signature breaks too
+    code, out = verify(promoted)
+    assert code == 1 and "2 final records" in out and f"FAIL  {records[1].record_id}" in out
+
+    renamed = json.loads(json.dumps(good))
+    renamed[0]["record_id"] = f"{CLUSTER}/{job_id}/9"
+    code, out = verify(renamed)
+    assert code == 1 and f"record id should be {records[0].record_id}" in out
+
+    code, out = verify(good, "--public-key", public_key_b64(Signer.generate().public_key))
+    assert code == 1 and out.count("is not the given key") == 3
+
+    broken = json.loads(json.dumps(good))
+    broken[0]["sequence"] = "one"
+    code, out = verify(broken)
+    assert code == 1 and "FAIL  " + records[0].record_id in out and "malformed record: sequence" in out
+
+    assert verify([])[0] == 1
+
+
+async def test_usage_verify_with_ledger_keys_rejects_an_unregistered_signer(
+    workspace: tuple[Cli, LocalLedger, Signer, Path], tmp_path: Path
+) -> None:
+    cli, ledger, signer, _ = workspace
+    job_id, _ = await finished_job(ledger, signer)
+    forged = make_records(Signer.generate(), job_id)
+    path = tmp_path / "forged.json"
+    path.write_text(json.dumps([r.model_dump(mode="json") for r in forged]))
+    code, out, _ = cli("usage", "verify", "--file", str(path))
+    assert code == 1 and out.count("is not registered on the ledger") == 3
+
+
+def test_usage_verify_bad_input_is_a_clear_error(
+    workspace: tuple[Cli, LocalLedger, Signer, Path], tmp_path: Path
+) -> None:
+    cli, *_ = workspace
+    junk = tmp_path / "junk.json"
+    junk.write_text("{not json")
+    code, _, err = cli(
+        "usage", "verify", "--file", str(junk), "--public-key", base64.b64encode(b"x" * 32).decode()
+    )
+    assert code == 2 and "neither JSON nor JSON lines" in err
+    code, _, err = cli("usage", "verify", "--file", str(junk), "--public-key", "not-base64!")
+    assert code == 2 and "not a base64 Ed25519 public key" in err
+    loose = tmp_path / "loose.key"
+    loose.write_bytes(b"\x01" * 32)
+    loose.chmod(0o644)
+    code, _, err = cli("usage", "verify", "--file", str(junk), "--key-file", str(loose))
+    assert code == 2 and "chmod 600" in err

@@ -1,0 +1,269 @@
+"""``virtengine-hpc usage``: export a job's signed usage records and verify records anyone hands you.
+
+``usage export --job ID`` prints the job's records as the ledger stores them, signatures included, as a JSON
+list in canonical form (every decimal and time already written the way it was signed). ``usage verify``
+checks every signature against a public key (``--public-key``, ``--key-file``, or the keys the ledger has
+registered for the records' provider), that each record id is ``<cluster>/<job>/<sequence>``, and, per job,
+that sequences run 1, 2, 3, ... without gap or repeat and that exactly one record, the last, is final. It
+prints one line per record and exits 1 if anything fails. The record format is in ``docs/usage-records.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+from pydantic import ValidationError as PydanticValidationError
+
+from virtengine_hpc.cli.common import config_from_args
+from virtengine_hpc.errors import SecurityError, ValidationError
+from virtengine_hpc.models import UsageRecord
+from virtengine_hpc.signing import (
+    USAGE_RECORD_DOMAIN,
+    canonical_bytes,
+    key_id,
+    load_private_key,
+    public_key_from_b64,
+)
+from virtengine_hpc.usage import record_id, verify_record
+
+KeyLookup = Callable[[UsageRecord], "Ed25519PublicKey | str"]
+"""Returns the key to verify a record with, or a reason why there is none."""
+
+
+def register(subparsers: Any) -> None:
+    parser = subparsers.add_parser(
+        "usage",
+        help="export and verify signed usage records",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    sub = parser.add_subparsers(dest="usage_command", metavar="COMMAND", required=True)
+
+    p = sub.add_parser("export", help="a job's usage records as stored on the ledger (JSON list)")
+    p.add_argument("--job", required=True, metavar="ID")
+    p.add_argument("--output", "-o", metavar="F", help="write to this file instead of stdout")
+    p.set_defaults(func=cmd_export)
+
+    p = sub.add_parser("verify", help="verify signatures, sequences and the final record")
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument("--file", metavar="F", help="records from a file (JSON list, object or JSON lines)")
+    source.add_argument("--job", metavar="ID", help="records of this job from the ledger")
+    key = p.add_mutually_exclusive_group()
+    key.add_argument("--public-key", metavar="B64", help="the provider's raw Ed25519 public key, base64")
+    key.add_argument("--key-file", metavar="PEM", help="the provider's public (or private) key file")
+    p.set_defaults(func=cmd_verify)
+
+
+# ---- keys --------------------------------------------------------------------------------------------------
+
+
+def load_public_key(path: str | Path) -> Ed25519PublicKey:
+    """An Ed25519 public key from a file: public PEM, private PEM or raw seed (0600), or base64 of the raw
+    key."""
+    target = Path(path)
+    try:
+        data = target.read_bytes()
+    except OSError as exc:
+        raise SecurityError(f"key file {target}: {exc.strerror}") from None
+    if b"PRIVATE KEY" in data or len(data) == 32:  # 32 bytes is a raw seed (a base64 public key has 44)
+        return load_private_key(target).public_key()
+    if b"-----BEGIN" in data:
+        try:
+            key = serialization.load_pem_public_key(data)
+        except ValueError as exc:
+            raise SecurityError(f"key file {target} is not a readable public key: {exc}") from None
+        if not isinstance(key, Ed25519PublicKey):
+            raise SecurityError(f"key file {target} does not hold an Ed25519 key")
+        return key
+    return public_key_from_b64(data.decode(errors="replace").strip())
+
+
+def _fixed_key(key: Ed25519PublicKey) -> KeyLookup:
+    return lambda _record: key
+
+
+def _ledger_keys(args: argparse.Namespace) -> KeyLookup:
+    from virtengine_hpc.cli.ledger import open_ledger
+
+    ledger = open_ledger(args)
+    cache: dict[str, dict[str, str]] = {}
+
+    def lookup(record: UsageRecord) -> Ed25519PublicKey | str:
+        if record.provider not in cache:
+            cache[record.provider] = ledger.provider_keys(record.provider)
+        found = cache[record.provider].get(record.key_id)
+        if found is None:
+            return f"key {record.key_id[:16]}... is not registered on the ledger for {record.provider}"
+        return public_key_from_b64(found)
+
+    return lookup
+
+
+# ---- verification ------------------------------------------------------------------------------------------
+
+
+@dataclass
+class RecordCheck:
+    label: str
+    record: UsageRecord | None
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+
+@dataclass
+class Verification:
+    records: list[RecordCheck]
+    jobs: dict[str, list[str]]
+    """Per job: the problems of its record sequence (empty when it is whole)."""
+
+    @property
+    def ok(self) -> bool:
+        return bool(self.records) and all(r.ok for r in self.records) and not any(self.jobs.values())
+
+
+def verify_records(items: list[Any], lookup: KeyLookup) -> Verification:
+    """Check each record's form and signature, then each job's sequence (gapless from 1, one final, last)."""
+    checks: list[RecordCheck] = []
+    for number, item in enumerate(items, start=1):
+        label = str(item.get("record_id", f"#{number}")) if isinstance(item, dict) else f"#{number}"
+        try:
+            record = UsageRecord.model_validate(item)
+        except PydanticValidationError as exc:
+            first = exc.errors()[0]
+            where = ".".join(str(p) for p in first["loc"])
+            checks.append(RecordCheck(label, None, [f"malformed record: {where}: {first['msg']}"]))
+            continue
+        checks.append(RecordCheck(label, record, _record_problems(record, lookup)))
+    by_job: dict[str, list[UsageRecord]] = {}
+    for check in checks:
+        if check.record is not None:
+            by_job.setdefault(check.record.job_id, []).append(check.record)
+    return Verification(checks, {job: _sequence_problems(recs) for job, recs in by_job.items()})
+
+
+def _record_problems(record: UsageRecord, lookup: KeyLookup) -> list[str]:
+    problems = []
+    expected = record_id(record.cluster_id, record.job_id, record.sequence)
+    if record.record_id != expected:
+        problems.append(f"record id should be {expected}")
+    key = lookup(record)
+    if isinstance(key, str):
+        problems.append(key)
+    else:
+        if key_id(key) != record.key_id:
+            problems.append(f"key_id {record.key_id[:16]}... is not the given key ({key_id(key)[:16]}...)")
+        if not verify_record(record, key):
+            problems.append("signature does not verify")
+    return problems
+
+
+def _sequence_problems(records: list[UsageRecord]) -> list[str]:
+    problems = []
+    sequences = sorted(r.sequence for r in records)
+    repeated = sorted({s for s in sequences if sequences.count(s) > 1})
+    if repeated:
+        problems.append(f"sequence repeated: {', '.join(map(str, repeated))}")
+    missing = sorted(set(range(1, max(sequences) + 1)) - set(sequences))
+    if missing:
+        problems.append(f"sequence gap: missing {', '.join(map(str, missing))}")
+    finals = [r.sequence for r in records if r.is_final]
+    if not finals:
+        problems.append("no final record")
+    elif len(finals) > 1:
+        problems.append(f"{len(finals)} final records (sequences {', '.join(map(str, sorted(finals)))})")
+    elif finals[0] != max(sequences):
+        problems.append(f"records follow the final record (sequence {finals[0]})")
+    return problems
+
+
+def _read_records(path: str) -> list[Any]:
+    try:
+        text = Path(path).read_text() if path != "-" else sys.stdin.read()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValidationError(f"{path}: {exc}") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError:
+        try:
+            data = [json.loads(line) for line in text.splitlines() if line.strip()]
+        except json.JSONDecodeError as exc:
+            raise ValidationError(f"{path} is neither JSON nor JSON lines: {exc}") from None
+    return data if isinstance(data, list) else [data]
+
+
+def wire_form(record: UsageRecord) -> dict[str, Any]:
+    """The record as a JSON object with every value already canonical (decimals, times), signature included.
+
+    Dropping ``signature`` and dumping the rest with sorted keys and no whitespace gives exactly the signed
+    body, so a verifier needs nothing but a JSON and an Ed25519 library (``docs/usage-records.md``).
+    """
+    payload = canonical_bytes(record, USAGE_RECORD_DOMAIN, exclude=())
+    body: dict[str, Any] = json.loads(payload.split(b"\n", 1)[1])
+    return body
+
+
+# ---- commands ----------------------------------------------------------------------------------------------
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from virtengine_hpc.cli.ledger import open_ledger
+
+    ledger = open_ledger(args)
+    if ledger.job(args.job) is None:
+        raise ValidationError(f"unknown job {args.job}")
+    text = json.dumps([wire_form(r) for r in ledger.usage_records(args.job)], indent=2, ensure_ascii=False)
+    if args.output:
+        Path(args.output).write_text(text + "\n")
+    else:
+        print(text)
+    return 0
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    if args.public_key:
+        lookup = _fixed_key(public_key_from_b64(args.public_key))
+    elif args.key_file:
+        lookup = _fixed_key(load_public_key(args.key_file))
+    else:
+        config_from_args(args)  # a bad config is reported as such, before the ledger
+        lookup = _ledger_keys(args)
+    if args.job:
+        from virtengine_hpc.cli.ledger import open_ledger
+
+        items: list[Any] = [r.model_dump(mode="json") for r in open_ledger(args).usage_records(args.job)]
+    else:
+        items = _read_records(args.file)
+    result = verify_records(items, lookup)
+    for check in result.records:
+        record = check.record
+        detail = ""
+        if record is not None:
+            detail = (
+                f"seq {record.sequence:<4} {record.job_state.value:<10}{' final' if record.is_final else ''}"
+            )
+        status = "OK  " if check.ok else "FAIL"
+        print(
+            f"{status}  {check.label}  {detail}{'  ' + '; '.join(check.problems) if check.problems else ''}"
+        )
+    for job, problems in result.jobs.items():
+        count = sum(1 for c in result.records if c.record and c.record.job_id == job)
+        if problems:
+            print(f"FAIL  job {job}: {'; '.join(problems)}")
+        else:
+            print(f"OK    job {job}: {count} records, sequences 1..{count} gapless, one final record")
+    failed = sum(1 for c in result.records if not c.ok)
+    if not result.records:
+        print("FAIL  no records to verify")
+    print(f"{len(result.records)} records: {len(result.records) - failed} ok, {failed} failed")
+    return 0 if result.ok else 1
