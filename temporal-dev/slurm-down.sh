@@ -39,8 +39,8 @@ DEV_DIR=$(cd "$DEV_DIR" && pwd)
 STATE=$DEV_DIR/slurm
 RUN=$STATE/run
 
-exec 9>>"$DEV_DIR/.slurm.lock"
-flock -w 120 9 || die "another slurm-up/slurm-down holds $DEV_DIR/.slurm.lock"
+exec 9>>"$STATE/.lock"
+flock -w 120 9 || die "another slurm-up/slurm-down holds $STATE/.lock"
 
 declare -A PIDFILE=(
   [munged]=$RUN/munge/munged.pid
@@ -140,7 +140,7 @@ if ((PURGE)); then
     ((${#left[@]})) || break
     sleep 0.1
   done
-  rm -rf "$STATE" "$DEV_DIR/.slurm.lock"
+  rm -rf "$STATE"
   log "removed $STATE"
 else
   log "state kept in $STATE (logs in $STATE/log)"
