@@ -1,0 +1,157 @@
+"""Helpers of the node tests: a scheduler that records node drains, heartbeat builders, a node worker.
+
+The SLURM adapter's own drain/resume is tested against the real cluster by its suite; here the node lifecycle
+only needs to see which scheduler calls it made, so ``RecordingNodeScheduler`` records them (STYLE.md item 9,
+third level) and can pretend jobs still run on a node for a number of checks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from decimal import Decimal
+from pathlib import Path
+
+from temporalio.client import Client
+from temporalio.worker import Worker
+
+from activities.audit import AuditLog, read_events
+from activities.chain.node_ledger import NodeLedger
+from activities.nodes import NodeActivities
+from activities.schedulers.base import Accounting, NativeStatus, SchedulerAdapter, SubmitRequest, SubmitResult
+from virtengine_hpc.config import AuditConfig
+from virtengine_hpc.node.heartbeat import NodeCapacity, NodeHealth, NodePlacement
+from virtengine_hpc.node.lifecycle import NodeBeat, NodeSettings
+from workflows.node import NodeWorkflow
+
+
+@dataclass
+class RecordingNodeScheduler(SchedulerAdapter):
+    """Records drain/resume calls; ``busy_checks`` > 0 makes that many busy checks answer "jobs still run"."""
+
+    busy_checks: int = 0
+    calls: list[tuple[str, str]] = field(default_factory=list)
+
+    async def drain_node(self, node: str, reason: str) -> None:
+        self.calls.append(("drain", node))
+
+    async def resume_node(self, node: str) -> None:
+        self.calls.append(("resume", node))
+
+    async def node_busy(self, node: str) -> bool:
+        self.calls.append(("busy", node))
+        if self.busy_checks > 0:
+            self.busy_checks -= 1
+            return True
+        return False
+
+    def actions(self) -> list[str]:
+        return [action for action, _ in self.calls if action != "busy"]
+
+    async def submit(self, request: SubmitRequest) -> SubmitResult:
+        raise NotImplementedError
+
+    async def find(self, workflow_id: str) -> str | None:
+        raise NotImplementedError
+
+    async def status_batch(self, scheduler_job_ids: Iterable[str]) -> dict[str, NativeStatus]:
+        raise NotImplementedError
+
+    async def cancel(self, scheduler_job_id: str) -> None:
+        raise NotImplementedError
+
+    async def usage(self, scheduler_job_id: str) -> Accounting:
+        raise NotImplementedError
+
+
+def capacity(cpus: int = 8, memory_mb: int = 16000, gpus: int = 0) -> NodeCapacity:
+    return NodeCapacity(
+        cpu_cores_total=cpus,
+        cpu_cores_available=cpus,
+        memory_mb_total=memory_mb,
+        memory_mb_available=memory_mb // 2,
+        gpus_total=gpus,
+        gpus_available=gpus,
+        storage_gb_total=100,
+        storage_gb_available=50,
+    )
+
+
+def health() -> NodeHealth:
+    return NodeHealth(status="healthy", uptime_seconds=1000, load_1m=Decimal("0.25"))
+
+
+def beat(sequence: int, cpus: int = 8) -> NodeBeat:
+    now = datetime.now(UTC)
+    return NodeBeat(
+        sequence_number=sequence,
+        sent_at=now,
+        received_at=now,
+        capacity=capacity(cpus),
+        health=health(),
+        placement=NodePlacement(rack="rack-7"),
+    )
+
+
+def quick_settings(**overrides: object) -> NodeSettings:
+    values: dict[str, object] = {
+        "stale_after": timedelta(seconds=3),
+        "offline_after": timedelta(seconds=6),
+        "metadata_interval": timedelta(seconds=1),
+        "drain_poll_interval": timedelta(milliseconds=500),
+    }
+    values.update(overrides)
+    return NodeSettings.model_validate(values)
+
+
+async def wait_for(
+    check: Callable[[], Awaitable[bool]] | Callable[[], bool], timeout: float, what: str
+) -> None:
+    """Poll ``check`` until true; fail with ``what`` after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        result = check()
+        if asyncio.iscoroutine(result):
+            result = await result
+        if result:
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        await asyncio.sleep(0.1)
+
+
+def audit_events(path: Path, event_type: str | None = None) -> list[dict[str, object]]:
+    if not path.exists():
+        return []
+    return [e for e in read_events(path) if event_type is None or e["event_type"] == event_type]
+
+
+@dataclass
+class NodeHarness:
+    ledger: NodeLedger
+    audit: AuditLog
+    audit_path: Path
+    scheduler: RecordingNodeScheduler
+    task_queue: str
+    cluster_id: str
+
+
+@asynccontextmanager
+async def node_worker(
+    client: Client, tmp_path: Path, *, cluster_id: str = "c1", scheduler: RecordingNodeScheduler | None = None
+) -> AsyncIterator[NodeHarness]:
+    """A worker running NodeWorkflow and NodeActivities over a ledger and audit log in ``tmp_path``."""
+    ledger = NodeLedger(tmp_path / "ledger.db")
+    audit_path = tmp_path / "audit.log"
+    audit = AuditLog(AuditConfig(log_path=audit_path))
+    scheduler = scheduler or RecordingNodeScheduler()
+    task_queue = f"nodes-{uuid.uuid4().hex[:10]}"
+    activities = NodeActivities(ledger, {cluster_id: scheduler}, audit, batch_window=0.01)
+    async with Worker(client, task_queue=task_queue, workflows=[NodeWorkflow], activities=activities.all()):
+        yield NodeHarness(ledger, audit, audit_path, scheduler, task_queue, cluster_id)
+    ledger.close()
