@@ -289,8 +289,8 @@ def die(*_args):
 
 if crash == "before_spawn":  # job directory written and locked, supervisor not started yet
     adapter._spawn_supervisor = die
-elif crash == "after_spawn":  # supervisor started, before it confirmed and before submit returned
-    adapter._await_ready = die
+elif crash == "after_spawn":  # supervisor spawned, the submitter has not written the started marker
+    adapter._commit = die
 
 async def main():
     for wf in workflow_ids:
@@ -370,6 +370,33 @@ async def test_exactly_once_when_the_submitter_dies_at_random_moments(
     statuses = [await wait_final(adapter, scheduler_job_id(wf)) for wf in all_ids]
     assert all(s.state == JobState.COMPLETED for s in statuses)
     assert sorted(runs_of(runs)) == sorted(all_ids)
+
+
+async def test_a_second_supervisor_for_a_taken_job_refuses_to_run(
+    make_adapter: Callable[..., LocalAdapter], tmp_path: Path
+) -> None:
+    """The last line of defence: even if a supervisor were spawned twice, the marker stops the second."""
+    adapter = make_adapter()
+    runs = tmp_path / "runs"
+    job_id = (await adapter.submit(runs_request("wf-twice", runs))).scheduler_job_id
+    assert (await wait_final(adapter, job_id)).state == JobState.COMPLETED
+    jobdir = adapter.job_dir(job_id)
+    fd = os.open(jobdir / "lock", os.O_RDWR)
+    try:
+        second = subprocess.run(
+            [sys.executable, "-I", "-S", sup.__file__, "--lock-fd", str(fd), str(jobdir)],
+            pass_fds=(fd,),
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+    finally:
+        os.close(fd)
+    assert second.returncode == 3
+    assert "not running it twice" in second.stderr
+    time.sleep(0.5)
+    assert runs_of(runs) == ["wf-twice"]
+    assert (await adapter.status_batch([job_id]))[job_id].state == JobState.COMPLETED
 
 
 async def test_concurrent_submits_of_one_workflow_start_one_job(

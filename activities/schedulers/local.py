@@ -27,7 +27,6 @@ import json
 import os
 import pwd
 import re
-import select
 import shutil
 import signal
 import subprocess
@@ -99,6 +98,7 @@ class LocalAdapter(SchedulerAdapter):
         for path in (self.state_dir, self._jobs, self._slots, self._tmp):
             path.mkdir(mode=0o700, parents=True, exist_ok=True)
         self._meta_cache: dict[str, dict[str, Any]] = {}
+        self._spawned: list[subprocess.Popen[bytes]] = []
         self._remove_stale_tmp()
 
     # ---- public helpers ------------------------------------------------------------------------------------
@@ -126,7 +126,8 @@ class LocalAdapter(SchedulerAdapter):
         return await asyncio.to_thread(self._usage, scheduler_job_id)
 
     async def close(self) -> None:
-        """Nothing to release: supervisors are detached on purpose and outlive the adapter."""
+        """Supervisors are detached on purpose and outlive the adapter; only reap what already exited."""
+        self._reap_spawned()
 
     # ---- submit --------------------------------------------------------------------------------------------
     def _submit(self, request: SubmitRequest) -> SubmitResult:
@@ -279,67 +280,37 @@ class LocalAdapter(SchedulerAdapter):
             time.sleep(0.02)
 
     def _spawn_supervisor(self, jobdir: Path, lock_fd: int) -> bool:
-        """Spawn the supervisor holding ``lock_fd`` and wait until it wrote the ``started`` marker.
+        """Spawn the supervisor holding ``lock_fd`` and commit it as the job's owner; returns ``adopted``.
 
-        Returns ``adopted``: False normally; True if the supervisor failed to confirm but the marker exists.
+        Once this returns, the ``started`` marker is on disk: a retried submit adopts, whatever happens next.
         """
-        ready_r, ready_w = os.pipe()
+        self._reap_spawned()
         try:
             with open(jobdir / sup.SUPERVISOR_LOG, "ab") as log:
                 proc = subprocess.Popen(
-                    [
-                        sys.executable,
-                        "-I",
-                        "-S",
-                        str(_SUPERVISOR),
-                        "--lock-fd",
-                        str(lock_fd),
-                        "--ready-fd",
-                        str(ready_w),
-                        str(jobdir),
-                    ],
+                    [sys.executable, "-I", "-S", str(_SUPERVISOR), "--lock-fd", str(lock_fd), str(jobdir)],
                     stdin=subprocess.DEVNULL,
                     stdout=log,
                     stderr=log,
-                    pass_fds=(lock_fd, ready_w),
+                    pass_fds=(lock_fd,),
                     start_new_session=True,
                     env=_SUPERVISOR_ENV,
                     cwd="/",
                 )
         except OSError as exc:
-            os.close(ready_r)
             raise SchedulerUnavailable(f"cannot start the local job supervisor: {exc}") from exc
-        finally:
-            os.close(ready_w)
-        try:
-            ready = self._await_ready(ready_r)
-        finally:
-            os.close(ready_r)
-        # The process we started forks the supervisor and exits at once; reap it so no zombie is left behind.
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(timeout=5)
-        if ready:
-            return False
-        if (jobdir / sup.STARTED).exists():
-            return True
-        tail = self._tail(jobdir / sup.SUPERVISOR_LOG)
-        raise SchedulerUnavailable(f"the local job supervisor did not start: {tail or 'no message'}")
+        self._spawned.append(proc)
+        return self._commit(jobdir, proc.pid)
 
-    def _await_ready(self, ready_r: int) -> bool:
-        """Block until the supervisor says ``ready`` (True) or its end of the pipe closes (False)."""
-        deadline = time.monotonic() + self.launch_timeout
-        data = b""
-        while (left := deadline - time.monotonic()) > 0:
-            readable, _, _ = select.select([ready_r], [], [], left)
-            if not readable:
-                break
-            chunk = os.read(ready_r, 64)
-            if not chunk:
-                break
-            data += chunk
-            if data.endswith(b"\n"):
-                break
-        return data == sup.READY
+    def _commit(self, jobdir: Path, pid: int) -> bool:
+        """Write the marker naming supervisor ``pid`` (unless it already did). False: a fresh submission."""
+        # A marker naming another pid cannot appear while we hold the lock; if it did, that supervisor owns
+        # the job, and this one exits without running it: adopt.
+        return not sup.claim_marker(jobdir, pid)
+
+    def _reap_spawned(self) -> None:
+        """Reap the processes we spawned: each forks the real supervisor and exits within milliseconds."""
+        self._spawned = [proc for proc in self._spawned if proc.poll() is None]
 
     # ---- lookups -------------------------------------------------------------------------------------------
     def _find(self, workflow_id: str) -> str | None:
@@ -374,16 +345,15 @@ class LocalAdapter(SchedulerAdapter):
             raise JobNotFound(f"no local job {job_id}")
         if not (jobdir / sup.STARTED).exists():
             return None  # not launched (a submit died before launching it); a retried submit launches it
-        if status is not None and status.get("state") in sup.FINAL_STATES:
+        if status is None:  # launched; the supervisor has not written its first status yet
+            status = {"state": "queued", "native_state": "STARTING", "reason": "the supervisor is starting"}
+        elif status.get("state") in sup.FINAL_STATES:
             return status
         return self._reconcile(jobdir, status)
 
-    def _reconcile(self, jobdir: Path, status: dict[str, Any] | None) -> dict[str, Any] | None:
+    def _reconcile(self, jobdir: Path, status: dict[str, Any]) -> dict[str, Any]:
         """``status`` if the supervisor lives (it holds the lock); if it died, the job recorded as failed."""
-        try:
-            fd = os.open(jobdir / sup.LOCK, os.O_RDWR | os.O_CLOEXEC)
-        except FileNotFoundError:
-            return status
+        fd = os.open(jobdir / sup.LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         try:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -400,6 +370,8 @@ class LocalAdapter(SchedulerAdapter):
             )
             if killed:
                 reason += "; its remaining processes were killed"
+            if log := self._tail(jobdir / sup.SUPERVISOR_LOG, 300):
+                reason += f" (supervisor log: {log})"
             status.update(
                 state="failed",
                 native_state="SUPERVISOR_LOST",

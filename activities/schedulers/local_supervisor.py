@@ -1,17 +1,19 @@
 """The detached supervisor of one local job: waits for a slot, runs the script, enforces limits, measures use.
 
-The local adapter starts one supervisor per job as ``python -I -S local_supervisor.py --lock-fd N --ready-fd M
-<jobdir>``, in a new session, so that the job outlives the worker that submitted it (a worker may be SIGKILLed
-at any instant). The module uses the standard library only: run with ``-I -S`` it starts in about 20 ms and
-never imports the worker's packages (or their environment).
+The local adapter starts one supervisor per job as ``python -I -S local_supervisor.py --lock-fd N <jobdir>``,
+in a new session, so that the job outlives the worker that submitted it (a worker may be SIGKILLed at any
+instant). The module uses the standard library only and imports little: run with ``-I -S`` it starts in about
+20 ms and never imports the worker's packages (or sees the worker's environment).
 
-Exactly-once execution rests on two things the supervisor holds:
+Exactly-once execution rests on two things:
 
 * the job's ``lock`` file, flocked by the submitter and inherited through ``pass_fds`` (the lock belongs to
   the open file description, so it passes from the submitter to the supervisor with no moment where it is
   free), held for the supervisor's whole life and released by the kernel when it exits or dies;
-* the ``started`` marker, created with ``O_EXCL`` (and fsynced) before anything runs: once it exists, no later
-  submit launches another supervisor for this job, whatever happens.
+* the ``started`` marker, naming the supervisor's pid, created with ``O_EXCL`` and fsynced by the submitter
+  right after the spawn or by the supervisor first thing, whichever comes first, and always before the script
+  can run: once it exists, no submit launches another supervisor for the job, and a supervisor that finds
+  another pid in it exits without running anything.
 
 The supervisor is a child subreaper, so processes the job daemonizes (``setsid``, double fork) are reparented
 to it rather than to init: they are still measured, killed at the end and reaped. Usage comes from ``/proc``
@@ -23,23 +25,21 @@ Everything the job and the adapter share lives in the job directory; this module
 
 from __future__ import annotations
 
-import argparse
 import contextlib
-import ctypes
-import ctypes.util
 import fcntl
 import json
 import os
-import random
 import select
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterable
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+
+# Kept off the import path on purpose (``typing`` and ``dataclasses`` cost milliseconds on every job start).
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Any
 
 # ---- the job directory (shared with activities/schedulers/local.py) ----------------------------------------
 SCRIPT = "job.sh"
@@ -55,14 +55,16 @@ JOB_TMP = "tmp"
 
 STATUS_VERSION = 1
 FINAL_STATES = frozenset({"completed", "failed", "timeout", "cancelled"})
-READY = b"ready\n"
 
 #: Sampling schedule: a few early samples so short jobs get measured, then one per ``SAMPLE_INTERVAL``.
 EARLY_SAMPLES = (0.05, 0.2, 0.5)
 SAMPLE_INTERVAL = 1.0
-#: How often a queued job looks for a free slot, and how often the cancel file is checked.
+#: How often the head of the queue looks for a free slot; how often a running job's cancel file is checked.
 SLOT_POLL = 0.25
 CANCEL_POLL = 0.5
+#: How often a queued job wakes to look for a cancel file. The adapter also sends SIGTERM, which wakes it at
+#: once. Waking often would cost: every waiter interrupted out of the queue lock wakes the ones behind it.
+QUEUE_RECHECK = 30.0
 #: How long to wait for killed leftovers to be reaped before giving up on them.
 REAP_LIMIT = 10.0
 BASH = "/bin/bash" if os.path.exists("/bin/bash") else "/usr/bin/bash"
@@ -73,17 +75,23 @@ _PR_SET_CHILD_SUBREAPER = 36
 
 
 # ---- /proc -------------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
 class ProcStat:
-    """The fields of ``/proc/<pid>/stat`` that accounting and process identification need."""
+    """The fields of ``/proc/<pid>/stat`` that accounting and process identification need.
 
-    pid: int
-    ppid: int
-    pgrp: int
-    state: str
-    cpu_seconds: float  # utime + stime + cutime + cstime: its own CPU plus that of the children it reaped
-    rss_bytes: int
-    start_ticks: int  # clock ticks since boot: with the pid, identifies a process across pid reuse
+    ``cpu_seconds`` is utime + stime + cutime + cstime: the process's own CPU plus that of the children it
+    reaped. ``start_ticks`` (clock ticks since boot) and the pid identify a process across pid reuse.
+    """
+
+    __slots__ = ("cpu_seconds", "pgrp", "pid", "ppid", "rss_bytes", "start_ticks", "state")
+
+    def __init__(
+        self, pid: int, ppid: int, pgrp: int, state: str, cpu_seconds: float, rss_bytes: int, start_ticks: int
+    ) -> None:
+        self.pid, self.ppid, self.pgrp, self.state = pid, ppid, pgrp, state
+        self.cpu_seconds, self.rss_bytes, self.start_ticks = cpu_seconds, rss_bytes, start_ticks
+
+    def __repr__(self) -> str:
+        return f"ProcStat(pid={self.pid}, ppid={self.ppid}, pgrp={self.pgrp}, state={self.state!r})"
 
 
 def read_stat(pid: int) -> ProcStat | None:
@@ -281,6 +289,44 @@ def read_json(path: Path) -> dict[str, Any] | None:
     return data if isinstance(data, dict) else None
 
 
+def claim_marker(jobdir: Path, pid: int) -> bool:
+    """Record that the supervisor ``pid`` owns the job; False if another supervisor already does.
+
+    Both the submitter (right after spawning) and the supervisor (first thing) call this with the supervisor's
+    pid: whichever comes first creates the marker, the other finds its own pid in it. A marker naming another
+    pid means some earlier supervisor took the job, and this one must not run it. The marker appears whole
+    (written aside, then hard-linked into place, which fails if it exists) and is on disk before this returns
+    True, so a host crash cannot lose it once the script may run.
+    """
+    path = jobdir / STARTED
+    tmp = jobdir / f".{STARTED}.{os.getpid()}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+    try:
+        os.write(fd, f"{pid}\n".encode())
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    try:
+        os.link(tmp, path)
+    except FileExistsError:
+        if marker_pid(jobdir) != pid:
+            return False
+    finally:
+        os.unlink(tmp)
+    # Also when the other party linked it: it may not have reached its own fsync of the directory yet.
+    fsync_dir(jobdir)
+    return True
+
+
+def marker_pid(jobdir: Path) -> int | None:
+    """The pid of the supervisor that owns the job (from its ``started`` marker), if any."""
+    try:
+        with open(jobdir / STARTED, "rb") as fh:
+            return int(fh.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def signal_name(signum: int) -> str:
     try:
         return signal.Signals(signum).name
@@ -289,16 +335,23 @@ def signal_name(signum: int) -> str:
 
 
 def _set_child_subreaper() -> bool:
+    """Make orphaned descendants of the job reparent to the supervisor instead of init (Linux >= 3.4)."""
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        import ctypes  # only once the job starts: queued supervisors stay small
+
+        libc = ctypes.CDLL(None, use_errno=True)  # the running program's symbols include libc's prctl
         return int(libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)) == 0
-    except (OSError, AttributeError):
+    except (ImportError, OSError, AttributeError):
         return False
 
 
 def _log(message: str) -> None:
     stamp = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime())
     print(f"{stamp} supervisor[{os.getpid()}]: {message}", file=sys.stderr, flush=True)
+
+
+class _Interrupted(Exception):
+    """Raised by a signal handler to break out of a blocking ``flock`` (cancel, or the periodic check)."""
 
 
 # ---- the supervisor ----------------------------------------------------------------------------------------
@@ -308,6 +361,7 @@ class Supervisor:
         self.meta = meta
         self.limits = meta["limits"]
         self._signalled: int | None = None
+        self._in_blocking_lock = False
         self._wake_r, self._wake_w = os.pipe()
         self._reaped_cpu = 0.0
         self._max_rss = 0
@@ -345,11 +399,18 @@ class Supervisor:
         signal.set_wakeup_fd(self._wake_w, warn_on_full_buffer=False)
         for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             signal.signal(signum, self._on_terminate)
+        signal.signal(signal.SIGALRM, self._on_alarm)
         # A handler (not SIG_IGN, which the job would inherit) so that select() wakes when a child exits.
         signal.signal(signal.SIGCHLD, lambda *_: None)
 
     def _on_terminate(self, signum: int, _frame: object) -> None:
         self._signalled = signum
+        if self._in_blocking_lock:
+            raise _Interrupted
+
+    def _on_alarm(self, _signum: int, _frame: object) -> None:
+        if self._in_blocking_lock:
+            raise _Interrupted
 
     def _sleep(self, seconds: float) -> None:
         if seconds > 0:
@@ -377,38 +438,58 @@ class Supervisor:
         except OSError as exc:  # a full disk must not kill the job; the next write may succeed
             _log(f"cannot write the status file: {exc}")
 
-    def mark_started(self) -> bool:
-        """Create the ``started`` marker; False if it already existed (another supervisor took the job)."""
-        try:
-            fd = os.open(self.jobdir / STARTED, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-        except FileExistsError:
-            return False
-        try:
-            os.write(fd, f"{os.getpid()} {time.time():.6f}\n".encode())
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        fsync_dir(self.jobdir)
-        return True
-
     # -- queueing
+    def _lock_blocking(self, fd: int, timeout: float) -> bool:
+        """``flock(LOCK_EX)`` giving up after ``timeout`` or on a cancel signal (the handler breaks it)."""
+        self._in_blocking_lock = True
+        signal.setitimer(signal.ITIMER_REAL, timeout)
+        try:
+            if self._signalled is not None:  # arrived before the flag was set: the handler did not raise
+                return False
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            return True
+        except _Interrupted:
+            return False
+        finally:
+            self._in_blocking_lock = False
+            signal.setitimer(signal.ITIMER_REAL, 0)
+
     def wait_for_slot(self) -> int | None:
-        """Hold one of the ``max_parallel_jobs`` slot locks; ``None`` if the job is cancelled while queued."""
+        """Hold one of the ``max_parallel_jobs`` slot locks; ``None`` if the job is cancelled while queued.
+
+        Waiting jobs line up on ``queue.lock``, asleep in the kernel; only the head of the line polls the
+        slots. A queued job costs no CPU; a cancel reaches it as SIGTERM (and, as a fallback, as a file).
+        """
         slots_dir = Path(self.meta["slots"]["dir"])
         count = int(self.meta["slots"]["count"])
-        while not self.cancel_requested():
-            first = random.randrange(count)
-            for offset in range(count):
-                index = (first + offset) % count
-                fd = os.open(slots_dir / f"slot-{index}.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        queue_fd = os.open(slots_dir / "queue.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            while not self.cancel_requested():
                 try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                except BlockingIOError:
-                    os.close(fd)
-                    continue
-                self.status["slot"] = index
-                return fd
-            self._sleep(SLOT_POLL * (0.8 + 0.4 * random.random()))
+                    at_head = self._lock_blocking(queue_fd, QUEUE_RECHECK)
+                except _Interrupted:  # the alarm fired just after the lock was taken: flock again (a no-op)
+                    at_head = False
+                while at_head and not self.cancel_requested():
+                    slot = self._try_slots(slots_dir, count)
+                    if slot is not None:
+                        return slot
+                    self._sleep(SLOT_POLL)
+            return None
+        finally:
+            os.close(queue_fd)  # lets the next waiting job to the head of the line
+
+    def _try_slots(self, slots_dir: Path, count: int) -> int | None:
+        first = os.getpid() % count  # spread the first try over the slots
+        for offset in range(count):
+            index = (first + offset) % count
+            fd = os.open(slots_dir / f"slot-{index}.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                continue
+            self.status["slot"] = index
+            return fd
         return None
 
     # -- running
@@ -594,33 +675,33 @@ def _daemonize() -> None:
         os._exit(0)
 
 
-def main(argv: Iterable[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="Supervise one local job (started by the local adapter).")
-    parser.add_argument("--lock-fd", type=int, required=True)
-    parser.add_argument("--ready-fd", type=int, required=True)
-    parser.add_argument("jobdir", type=Path)
-    args = parser.parse_args(None if argv is None else list(argv))
+def _parse_args(argv: list[str]) -> tuple[int, Path]:
+    """``--lock-fd N JOBDIR`` (parsed by hand: argparse costs milliseconds of start-up per job)."""
+    if len(argv) != 3 or argv[0] != "--lock-fd" or not argv[1].isdigit():
+        raise SystemExit("usage: local_supervisor.py --lock-fd N JOBDIR (started by the local adapter)")
+    return int(argv[1]), Path(argv[2])
+
+
+def main(argv: list[str] | None = None) -> int:
+    lock_fd, jobdir = _parse_args(sys.argv[1:] if argv is None else argv)
     try:
         # Re-locking an open file description that already holds the lock succeeds at once: a sanity check
         # that the submitter passed the locked fd and nobody else runs this job.
-        fcntl.flock(args.lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as exc:
         _log(f"the job lock was not handed over ({exc}); not starting")
         return 2
-    meta = read_json(args.jobdir / META)
+    meta = read_json(jobdir / META)
     if meta is None:
-        _log(f"cannot read {args.jobdir / META}; not starting")
+        _log(f"cannot read {jobdir / META}; not starting")
         return 2
+    if not claim_marker(jobdir, os.getpid()):
+        _log("the job was already taken by another supervisor; not running it twice")
+        return 3
     _daemonize()
-    supervisor = Supervisor(args.jobdir, meta)
+    supervisor = Supervisor(jobdir, meta)
     supervisor.install_signals()
     supervisor.write_status()
-    if not supervisor.mark_started():
-        _log("the job was already started by another supervisor; not running it twice")
-        return 3
-    with contextlib.suppress(OSError):  # the submitter died: the job runs anyway (that is the point)
-        os.write(args.ready_fd, READY)
-    os.close(args.ready_fd)
     return supervisor.run()
 
 
