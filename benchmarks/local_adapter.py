@@ -1,8 +1,8 @@
 """Benchmark of the local adapter: submit rate against the raw cost of spawning a process, status_batch cost.
 
 Run: ``.venv/bin/python benchmarks/local_adapter.py [--jobs 1000] [--live 300]``. Figures go to
-``docs/local-executor.md``. It starts real processes (``--live`` idle supervisors at once, ~7 MiB each) and cleans up
-after itself.
+``docs/local-executor.md``. It starts real processes (``--live`` idle supervisors at once, ~7 MiB each) and
+cleans up after itself.
 """
 
 from __future__ import annotations
@@ -58,11 +58,13 @@ async def main() -> None:
     root = Path(tempfile.mkdtemp(prefix="local-bench-"))
     try:
         raw = raw_spawn_rate(50)
-        adapter = LocalAdapter(LocalSchedulerConfig(max_parallel_jobs=64, kill_wait="1s"), root / "a", "bench")
+        adapter = LocalAdapter(
+            LocalSchedulerConfig(max_parallel_jobs=64, kill_wait="1s"), root / "a", "bench"
+        )
         started = time.perf_counter()
         ids = [(await adapter.submit(request(n, "true\n"))).scheduler_job_id for n in range(50)]
         submit = 50 / (time.perf_counter() - started)
-        print(f"submit, one at a time: {submit:.1f}/s; raw interpreter spawn {raw:.1f}/s; ratio {submit / raw:.2f}")
+        print(f"submit, one at a time: {submit:.1f}/s; raw interpreter spawn {raw:.1f}/s")
 
         sem = asyncio.Semaphore(8)
 
@@ -96,7 +98,8 @@ async def main() -> None:
         cpu0 = sum(sum(p.cpu_times()[:2]) for p in procs)
         await asyncio.sleep(5)
         cpu1 = sum(sum(p.cpu_times()[:2]) for p in procs)
-        print(f"supervisor USS {uss:.1f} MiB; {len(procs)} supervisors used {(cpu1 - cpu0) / 5 * 100:.1f}% of a core")
+        share = (cpu1 - cpu0) / 5 * 100
+        print(f"supervisor USS {uss:.1f} MiB; {len(procs)} supervisors used {share:.1f}% of a core")
         started = time.perf_counter()
         for sid in live_ids:
             await live.cancel(sid)
