@@ -210,7 +210,7 @@ class JobActivities:
         behind the queue) before it is reported as not found.
         """
         batcher = self.batcher(request.cluster_id, request.poll_interval_seconds)
-        missing_since: datetime | None = None
+        missing_since = request.missing_since
         while True:
             now = datetime.now(UTC)
             try:
@@ -222,14 +222,14 @@ class JobActivities:
                 if not status.found:
                     missing_since = missing_since or now
                     if (now - missing_since).total_seconds() >= request.vanished_grace_seconds:
-                        return WatchOutput(status=status, changed=True)
+                        return WatchOutput(status=status, changed=True, missing_since=missing_since)
                 else:
                     missing_since = None
                     if status.state != request.last_state:
                         return WatchOutput(status=status, changed=True)
                 activity.heartbeat({"last_state": status.state.value, "found": status.found})
                 if datetime.now(UTC) >= request.return_by:
-                    return WatchOutput(status=status, changed=False)
+                    return WatchOutput(status=status, changed=False, missing_since=missing_since)
             elif datetime.now(UTC) >= request.return_by:
                 raise ApplicationError("scheduler unreachable; watch retried", type="SchedulerUnavailable")
 
@@ -379,7 +379,9 @@ class JobActivities:
         except JobNotFound:
             if not request.accept_partial:
                 raise
-            accounting = Accounting(scheduler_job_id=request.scheduler_job_id, metrics=request.previous_cumulative)
+            accounting = Accounting(
+                scheduler_job_id=request.scheduler_job_id, metrics=request.previous_cumulative
+            )
         if request.is_final and not accounting.final and not request.accept_partial:
             # Accounting lags behind the queue (sacct): try again shortly rather than sign a partial reading.
             raise SchedulerError("final accounting not available yet", transient=True)

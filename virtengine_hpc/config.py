@@ -76,6 +76,11 @@ class JobServiceConfig(Section):
     enable_state_recovery: bool = Field(
         True, description="Kept for compatibility: recovery always comes from Temporal's workflow history."
     )
+    vanished_job_grace: Duration = Field(
+        timedelta(minutes=2),
+        description="How long a job may be missing from both queue and accounting before it is failed as vanished "
+        "(accounting lags the queue by seconds).",
+    )
     state_store_path: Path = Field(
         Path("/var/lib/virtengine/hpc-state"),
         description="Local state (LocalLedger file, local adapter jobs).",

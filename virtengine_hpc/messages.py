@@ -60,6 +60,7 @@ class Carried(Model):
     forced_final: JobState | None = Field(None, description="Final state the provider imposes (deadline).")
     forced_message: str = ""
     deadline_grace_until: datetime | None = None
+    missing_since: datetime | None = None
 
 
 class JobWorkflowInput(Model):
@@ -154,14 +155,20 @@ class WatchInput(Model):
     cluster_id: str
     scheduler_job_id: str
     last_state: JobState
-    return_by: datetime = Field(description="Return at this time even without a change (report due, deadline).")
+    return_by: datetime = Field(
+        description="Return at this time even without a change (report due, deadline)."
+    )
     poll_interval_seconds: float
     vanished_grace_seconds: float = 120.0
+    missing_since: datetime | None = Field(
+        None, description="Since when the scheduler has not found the job."
+    )
 
 
 class WatchOutput(Model):
     status: NativeStatus
     changed: bool
+    missing_since: datetime | None = None
 
 
 class TransitionInput(Model):
@@ -194,7 +201,8 @@ class UsageInput(Model):
     is_final: bool = False
     report_accounting: bool = Field(False, description="With is_final: also report accounting and settle.")
     accept_partial: bool = Field(
-        False, description="Close with the last reading when the scheduler has no final accounting (deadline, vanished)."
+        False,
+        description="Close with the last reading when the scheduler has no final accounting (deadline, vanished).",
     )
     max_attempts: int = 0
 

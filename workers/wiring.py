@@ -46,6 +46,7 @@ def job_settings(config: Config) -> JobSettings:
         usage_enabled=hpc.usage_reporting.enabled,
         retry_on_failure=hpc.usage_reporting.retry_on_failure,
         job_timeout_default_seconds=hpc.job_service.job_timeout_default.total_seconds(),
+        vanished_grace_seconds=hpc.job_service.vanished_job_grace.total_seconds(),
         retry=RetrySettings(
             max_retries=hpc.retry.max_retries,
             initial_backoff_seconds=hpc.retry.initial_backoff.total_seconds(),

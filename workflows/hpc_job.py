@@ -46,7 +46,13 @@ SA_TENANT = SearchAttributeKey.for_keyword("VeTenant")
 SA_TEMPLATE = SearchAttributeKey.for_keyword("VeTemplate")
 SEARCH_ATTRIBUTES = (SA_STATE, SA_CLUSTER, SA_SCHEDULER_JOB, SA_TENANT, SA_TEMPLATE)
 
-_NON_RETRYABLE = ["ValidationError", "ConfigError", "SubmissionRejected", "SecurityError", "IllegalTransition"]
+_NON_RETRYABLE = [
+    "ValidationError",
+    "ConfigError",
+    "SubmissionRejected",
+    "SecurityError",
+    "IllegalTransition",
+]
 
 
 def initial_search_attributes(inp: JobWorkflowInput) -> TypedSearchAttributes:
@@ -101,7 +107,9 @@ class HPCJobWorkflow:
     @request_cancel.validator
     def _validate_cancel(self, request: CancelRequest) -> None:
         if self.c.state.final:
-            raise ApplicationError(f"job {self.job.job_id} already ended ({self.c.state.value})", type="JobEnded")
+            raise ApplicationError(
+                f"job {self.job.job_id} already ended ({self.c.state.value})", type="JobEnded"
+            )
 
     def _request_cancel(self, request: CancelRequest) -> None:
         if not self.c.state.final and not self.c.cancel_requested:
@@ -202,6 +210,7 @@ class HPCJobWorkflow:
             return_by=return_by,
             poll_interval_seconds=self.settings.poll_interval_seconds,
             vanished_grace_seconds=self.settings.vanished_grace_seconds,
+            missing_since=self.c.missing_since,
         )
         poll = self.settings.poll_interval_seconds
         handle = workflow.start_activity(
@@ -223,6 +232,8 @@ class HPCJobWorkflow:
                 return
             return
         result: WatchOutput = await handle
+        if result.missing_since != self.c.missing_since:
+            self.c = self.c.model_copy(update={"missing_since": result.missing_since})
         if result.changed:
             await self._apply(result.status)
 
@@ -258,7 +269,11 @@ class HPCJobWorkflow:
         ``partial``: the scheduler cannot give final accounting (the job vanished, or we closed it at a deadline),
         so the last reading closes the records.
         """
-        if self.c.scheduler_job_id is not None and self.c.started_at is not None and self.settings.usage_enabled:
+        if (
+            self.c.scheduler_job_id is not None
+            and self.c.started_at is not None
+            and self.settings.usage_enabled
+        ):
             await self._report_usage(final=True, final_state=final, partial=partial)
         await self._transition(final, lifecycle_event(self.c.state, final), message)
 
@@ -350,7 +365,9 @@ class HPCJobWorkflow:
             await self._finish(JobState.TIMEOUT, self.c.forced_message, partial=True)
             return
         if self.c.started_at is None:
-            why = f"not started within job_timeout_default ({self.settings.job_timeout_default_seconds:.0f} s)"
+            why = (
+                f"not started within job_timeout_default ({self.settings.job_timeout_default_seconds:.0f} s)"
+            )
         else:
             why = f"ran past its walltime of {self.job.walltime_seconds} s; cancelled by the provider"
         self.c = self.c.model_copy(update={"forced_final": JobState.TIMEOUT, "forced_message": why})

