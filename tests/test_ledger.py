@@ -19,7 +19,7 @@ import pytest
 from activities.chain.client import AccountingReport, ChainClient, StatusReport
 from activities.chain.local_ledger import LocalLedger, settle_amounts
 from virtengine_hpc.cli import main as cli_main
-from virtengine_hpc.errors import ChainError, IllegalTransition, SecurityError
+from virtengine_hpc.errors import ChainError, ChainUnavailable, IllegalTransition, SecurityError
 from virtengine_hpc.models import Cluster, PricedQueue, Pricing, UsageMetrics, UsageRecord
 from virtengine_hpc.signing import Signer, public_key_b64
 from virtengine_hpc.states import JobState
@@ -669,6 +669,22 @@ def test_two_processes_writing_at_once_do_not_corrupt(tmp_path: Path) -> None:
     with sqlite3.connect(path) as db:
         assert db.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
         assert db.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+
+
+def test_a_ledger_held_too_long_by_another_writer_is_a_transient_error(tmp_path: Path) -> None:
+    path = tmp_path / "busy.db"
+    ledger = LocalLedger(path, busy_timeout=0.2)
+    blocker = sqlite3.connect(path, isolation_level=None)
+    blocker.execute("BEGIN IMMEDIATE")
+    try:
+        assert ledger.balance("alice") == 0  # readers never wait in WAL mode
+        with pytest.raises(ChainUnavailable, match="busy") as caught:
+            ledger.fund("alice", 1)
+        assert caught.value.transient
+    finally:
+        blocker.execute("ROLLBACK")
+        blocker.close()
+    assert ledger.fund("alice", 1) == 1
 
 
 def test_a_file_that_is_not_a_ledger_is_a_clear_error(tmp_path: Path) -> None:

@@ -46,7 +46,7 @@ from activities.chain.client import (
     UsageSubmitResult,
 )
 from virtengine_hpc.config import Config
-from virtengine_hpc.errors import ChainError, IllegalTransition, SecurityError
+from virtengine_hpc.errors import ChainError, ChainUnavailable, IllegalTransition, SecurityError
 from virtengine_hpc.models import (
     Cluster,
     Model,
@@ -356,7 +356,7 @@ class LocalLedger:
         try:
             conn = sqlite3.connect(self.path, timeout=self.busy_timeout, isolation_level=None)
         except sqlite3.Error as exc:
-            raise ChainError(f"cannot open ledger {self.path}: {exc}", transient=True) from None
+            raise ChainUnavailable(f"cannot open ledger {self.path}: {exc}") from None
         conn.row_factory = sqlite3.Row
         try:
             # WAL + NORMAL survives process crashes; only a power cut can lose the last commits.
@@ -375,7 +375,7 @@ class LocalLedger:
             try:
                 conn.execute("BEGIN IMMEDIATE" if write else "BEGIN")
             except sqlite3.OperationalError as exc:
-                raise ChainError(f"ledger {self.path} is busy: {exc}", transient=True) from None
+                raise ChainUnavailable(f"ledger {self.path} is busy: {exc}") from None
             try:
                 yield conn
             except BaseException:
@@ -384,8 +384,9 @@ class LocalLedger:
                 raise
             conn.execute("COMMIT")
         except sqlite3.OperationalError as exc:
-            busy = "locked" in str(exc) or "busy" in str(exc)
-            raise ChainError(f"ledger {self.path}: {exc}", transient=busy) from None
+            if "locked" in str(exc) or "busy" in str(exc):
+                raise ChainUnavailable(f"ledger {self.path} is busy: {exc}") from None
+            raise ChainError(f"ledger {self.path}: {exc}") from None
         finally:
             conn.close()
 
