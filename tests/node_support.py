@@ -25,8 +25,19 @@ from activities.chain.node_ledger import NodeLedger
 from activities.nodes import NodeActivities
 from activities.schedulers.base import Accounting, NativeStatus, SchedulerAdapter, SubmitRequest, SubmitResult
 from virtengine_hpc.config import AuditConfig
-from virtengine_hpc.node.heartbeat import NodeCapacity, NodeHealth, NodePlacement
+from virtengine_hpc.node.heartbeat import (
+    HEARTBEAT_DOMAIN,
+    REGISTRATION_DOMAIN,
+    HeartbeatBody,
+    LatencySample,
+    NodeCapacity,
+    NodeHealth,
+    NodePlacement,
+    RegistrationBody,
+    sign_document,
+)
 from virtengine_hpc.node.lifecycle import NodeBeat, NodeSettings
+from virtengine_hpc.signing import Signer, public_key_b64
 from workflows.node import NodeWorkflow
 
 
@@ -155,3 +166,49 @@ async def node_worker(
     async with Worker(client, task_queue=task_queue, workflows=[NodeWorkflow], activities=activities.all()):
         yield NodeHarness(ledger, audit, audit_path, scheduler, task_queue, cluster_id)
     ledger.close()
+
+
+PROVIDER = "virtengine1provider0test"
+
+
+@dataclass
+class SimulatedNode:
+    """Builds the signed documents a real agent sends, for API tests and the benchmark."""
+
+    cluster_id: str
+    node_id: str
+    signer: Signer = field(default_factory=Signer.generate)
+    provider: str = PROVIDER
+
+    @property
+    def public_key(self) -> str:
+        return public_key_b64(self.signer.public_key)
+
+    def registration(self, *, timestamp: datetime | None = None) -> dict[str, object]:
+        body = RegistrationBody(
+            node_id=self.node_id,
+            cluster_id=self.cluster_id,
+            provider_address=self.provider,
+            public_key=self.public_key,
+            timestamp=timestamp or datetime.now(UTC),
+            agent_version="0.1.0",
+            hostname=self.node_id,
+            capacity=capacity(),
+            placement=NodePlacement(rack="rack-7"),
+        )
+        return sign_document(body, REGISTRATION_DOMAIN, self.signer)
+
+    def heartbeat(self, sequence: int, *, timestamp: datetime | None = None) -> dict[str, object]:
+        body = HeartbeatBody(
+            node_id=self.node_id,
+            cluster_id=self.cluster_id,
+            provider_address=self.provider,
+            sequence_number=sequence,
+            timestamp=timestamp or datetime.now(UTC),
+            agent_version="0.1.0",
+            capacity=capacity(),
+            health=health(),
+            placement=NodePlacement(rack="rack-7"),
+            latency=[LatencySample(target="node-002", latency_us=180, probes=3, lost=0)],
+        )
+        return sign_document(body, HEARTBEAT_DOMAIN, self.signer)

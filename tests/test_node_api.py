@@ -1,0 +1,243 @@
+"""The node API in process (ASGI) over a real ledger, audit log, Temporal dev server and node worker.
+
+Every rejection must answer with the right status and leave a security audit record; accepted heartbeats must
+reach the node's workflow.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import httpx
+import pytest
+from temporalio.client import Client
+
+from tests.node_support import (
+    PROVIDER,
+    NodeHarness,
+    SimulatedNode,
+    audit_events,
+    node_worker,
+    quick_settings,
+    wait_for,
+)
+from virtengine_hpc.config import NodesConfig
+from virtengine_hpc.node.lifecycle import NodeState, NodeStatus, workflow_id
+from workers.node_api import NodeAPI, TemporalForwarder, create_app
+
+HB = "/api/v1/hpc/nodes/{}/heartbeat"
+REGISTER = "/api/v1/hpc/nodes/register"
+
+
+@dataclass
+class APIHarness:
+    http: httpx.AsyncClient
+    api: NodeAPI
+    nodes: NodeHarness
+    client: Client
+
+    def rejections(self, event: str = "heartbeat_rejected") -> list[str]:
+        return [e["details"]["reason"] for e in audit_events(self.nodes.audit_path, event)]  # type: ignore[index]
+
+    async def state(self, node: SimulatedNode) -> NodeState:
+        handle = self.client.get_workflow_handle(workflow_id(node.cluster_id, node.node_id))
+        status: NodeStatus = await handle.query("status", result_type=NodeStatus)
+        return status.state
+
+
+@pytest.fixture
+async def harness(client: Client, tmp_path: Path) -> AsyncIterator[APIHarness]:
+    cluster = f"c{tmp_path.name[-6:].replace('_', '')}"
+    async with node_worker(client, tmp_path, cluster_id=cluster) as nodes:
+        forwarder = TemporalForwarder(
+            client,
+            task_queue_for=lambda _: nodes.task_queue,
+            settings=quick_settings(stale_after=60, offline_after=120),
+        )
+        api = NodeAPI(
+            nodes.ledger,
+            nodes.audit,
+            forwarder,
+            provider_address=PROVIDER,
+            settings=NodesConfig(audit_rate_window=timedelta(0)),
+        )
+        transport = httpx.ASGITransport(app=create_app(api))
+        async with httpx.AsyncClient(transport=transport, base_url="http://node-api") as http:
+            yield APIHarness(http, api, nodes, client)
+        for wf in [f async for f in client.list_workflows(f"TaskQueue = '{nodes.task_queue}'")]:
+            if wf.status is not None and wf.status.name == "RUNNING":
+                await client.get_workflow_handle(wf.id).terminate()
+
+
+def allowed_node(h: APIHarness, name: str = "n1") -> SimulatedNode:
+    node = SimulatedNode(h.nodes.cluster_id, name)
+    h.nodes.ledger.allow(node.cluster_id, node.node_id, node.public_key)
+    return node
+
+
+async def registered_node(h: APIHarness, name: str = "n1") -> SimulatedNode:
+    node = allowed_node(h, name)
+    answer = await h.http.post(REGISTER, json=node.registration())
+    assert answer.status_code == 200, answer.text
+    return node
+
+
+async def test_a_registered_node_heartbeats_and_its_workflow_becomes_active(harness: APIHarness) -> None:
+    node = allowed_node(harness)
+    answer = await harness.http.post(REGISTER, json=node.registration())
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["state"] == "pending" and answer.json()["last_sequence"] == 0
+    for sequence in (1, 2, 3):
+        answer = await harness.http.post(
+            HB.format(node.node_id),
+            json=node.heartbeat(sequence),
+            headers={"X-Node-ID": node.node_id, "X-Cluster-ID": node.cluster_id},
+        )
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["sequence_number"] == sequence
+
+    async def active() -> bool:
+        return await harness.state(node) is NodeState.ACTIVE
+
+    await wait_for(active, 10, "the node's workflow to become active")
+    row = harness.nodes.ledger.get(node.cluster_id, node.node_id)
+    assert row is not None and row.last_sequence == 3
+    assert len(audit_events(harness.nodes.audit_path, "node_registered")) == 1
+    assert harness.rejections() == []
+
+
+async def test_the_signature_covers_the_json_as_received_not_a_re_marshalled_struct(
+    harness: APIHarness,
+) -> None:
+    node = await registered_node(harness)
+    document = node.heartbeat(1)
+    # Another encoder: keys reversed, indentation, non-ASCII escaped. The same JSON values, so it verifies.
+    text = json.dumps(dict(reversed(list(document.items()))), indent=3, ensure_ascii=True)
+    answer = await harness.http.post(
+        HB.format(node.node_id), content=text.encode(), headers={"Content-Type": "application/json"}
+    )
+    assert answer.status_code == 200, answer.text
+
+
+async def test_forged_and_tampered_heartbeats_are_refused_and_audited(harness: APIHarness) -> None:
+    node = await registered_node(harness)
+    impostor = SimulatedNode(node.cluster_id, node.node_id)  # same ids, another key
+    answer = await harness.http.post(HB.format(node.node_id), json=impostor.heartbeat(1))
+    assert answer.status_code == 401 and answer.json()["error"] == "signature_invalid"
+
+    tampered = node.heartbeat(2)
+    tampered["capacity"]["cpu_cores_total"] = 512  # type: ignore[index]
+    tampered["capacity"]["cpu_cores_available"] = 512  # type: ignore[index]
+    answer = await harness.http.post(HB.format(node.node_id), json=tampered)
+    assert answer.status_code == 401 and answer.json()["error"] == "signature_invalid"
+    assert harness.rejections() == ["signature_invalid", "signature_invalid"]
+    record = audit_events(harness.nodes.audit_path, "heartbeat_rejected")[0]
+    assert record["category"] == "security" and record["success"] is False
+    row = harness.nodes.ledger.get(node.cluster_id, node.node_id)
+    assert row is not None and row.last_sequence == 0, "a refused heartbeat consumes no sequence"
+
+
+async def test_a_replayed_sequence_gets_409_with_the_last_accepted_sequence(harness: APIHarness) -> None:
+    node = await registered_node(harness)
+    document = node.heartbeat(5)
+    assert (await harness.http.post(HB.format(node.node_id), json=document)).status_code == 200
+    replay = await harness.http.post(HB.format(node.node_id), json=document)
+    assert replay.status_code == 409
+    assert replay.json() == {
+        "error": "sequence_replayed",
+        "message": "sequence 5 is not above 5",
+        "last_sequence": 5,
+    }
+    older = await harness.http.post(HB.format(node.node_id), json=node.heartbeat(4))
+    assert older.status_code == 409
+    assert harness.rejections() == ["sequence_replayed", "sequence_replayed"]
+
+
+async def test_unknown_and_revoked_keys_are_refused(harness: APIHarness) -> None:
+    stranger = SimulatedNode(harness.nodes.cluster_id, "stranger")
+    answer = await harness.http.post(REGISTER, json=stranger.registration())
+    assert answer.status_code == 401 and answer.json()["error"] == "unknown_node"
+    answer = await harness.http.post(HB.format("stranger"), json=stranger.heartbeat(1))
+    assert answer.status_code == 401 and answer.json()["error"] == "unknown_node"
+
+    node = allowed_node(harness, "n2")
+    rekeyed = SimulatedNode(node.cluster_id, node.node_id)  # the reference let anyone re-register a new key
+    answer = await harness.http.post(REGISTER, json=rekeyed.registration())
+    assert answer.status_code == 401 and answer.json()["error"] == "key_mismatch"
+
+    answer = await harness.http.post(HB.format("n2"), json=node.heartbeat(1))
+    assert answer.status_code == 401 and answer.json()["error"] == "not_registered"
+
+    harness.nodes.ledger.revoke(node.cluster_id, node.node_id)
+    answer = await harness.http.post(REGISTER, json=node.registration())
+    assert answer.status_code == 401 and answer.json()["error"] == "key_revoked"
+
+    assert harness.rejections("node_registration_rejected") == ["unknown_node", "key_mismatch", "key_revoked"]
+    assert harness.rejections() == ["unknown_node", "not_registered"]
+
+
+async def test_clock_skew_beyond_the_window_is_refused(harness: APIHarness) -> None:
+    node = await registered_node(harness)
+    past = datetime.now(UTC) - timedelta(minutes=5)
+    answer = await harness.http.post(HB.format(node.node_id), json=node.heartbeat(1, timestamp=past))
+    assert answer.status_code == 401 and answer.json()["error"] == "clock_skew"
+    future = datetime.now(UTC) + timedelta(minutes=5)
+    answer = await harness.http.post(REGISTER, json=node.registration(timestamp=future))
+    assert answer.status_code == 401 and answer.json()["error"] == "clock_skew"
+    within = datetime.now(UTC) - timedelta(seconds=30)
+    answer = await harness.http.post(HB.format(node.node_id), json=node.heartbeat(2, timestamp=within))
+    assert answer.status_code == 200
+    assert harness.rejections() == ["clock_skew"]
+
+
+@pytest.mark.parametrize(
+    ("body", "expected"),
+    [
+        (b"not json", "not acceptable JSON"),
+        (b"[1, 2]", "must be a JSON object"),
+        (b'{"node_id": "n1", "node_id": "n1"}', "duplicate key"),
+        (b'{"sequence_number": 1.5}', "fractional number"),
+        (b'{"sequence_number": NaN}', "not a number"),
+        (b"\xff\xfe", "not UTF-8"),
+        (b'{"node_id": "n1"}', "Field required"),
+    ],
+)
+async def test_malformed_bodies_get_422_and_an_audit_record(
+    harness: APIHarness, body: bytes, expected: str
+) -> None:
+    node = await registered_node(harness)
+    answer = await harness.http.post(HB.format(node.node_id), content=body)
+    assert answer.status_code == 422
+    assert answer.json()["error"] == "malformed" and expected in answer.json()["message"]
+    assert harness.rejections() == ["malformed"]
+
+
+async def test_body_and_path_must_name_the_same_node(harness: APIHarness) -> None:
+    node = await registered_node(harness)
+    other = await registered_node(harness, "n9")
+    answer = await harness.http.post(HB.format(other.node_id), json=node.heartbeat(1))
+    assert answer.status_code == 422
+    answer = await harness.http.post(
+        HB.format(node.node_id), json=node.heartbeat(1), headers={"X-Cluster-ID": "zz"}
+    )
+    assert answer.status_code == 422
+
+
+async def test_identical_rejections_are_audited_once_per_window(harness: APIHarness) -> None:
+    harness.api.limiter.window = 60.0
+    node = await registered_node(harness)
+    forger = SimulatedNode(node.cluster_id, node.node_id)
+    for sequence in range(1, 6):
+        answer = await harness.http.post(HB.format(node.node_id), json=forger.heartbeat(sequence))
+        assert answer.status_code == 401
+    assert harness.rejections() == ["signature_invalid"], (
+        "four repeats within the window are counted, not written"
+    )
+    harness.api.limiter.window = 0.0
+    await harness.http.post(HB.format(node.node_id), json=forger.heartbeat(9))
+    last = audit_events(harness.nodes.audit_path, "heartbeat_rejected")[-1]
+    assert last["details"]["suppressed_since_last"] == 4  # type: ignore[index]

@@ -1,0 +1,208 @@
+"""The agent's runtime: register, then one signed heartbeat every ``heartbeat-interval``.
+
+Ticks follow a fixed schedule (no drift from the time a heartbeat takes). A provider that is down costs a
+logged warning and nothing else; answers steer the agent: ``401 not_registered`` makes it register again,
+``409 sequence_replayed`` makes it jump past the provider's last accepted sequence and resend at once (its
+sequence file was lost or restored from a backup), any other ``401`` is logged (the provider revoked or
+re-keyed the node). The last result is written to ``<key-file>.status.json`` for ``hpc-node-agent status``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import socket
+import time
+from datetime import UTC, datetime
+from typing import Any
+
+import httpx
+
+from virtengine_hpc.errors import HPCError
+from virtengine_hpc.node.config import NodeAgentConfig
+from virtengine_hpc.node.heartbeat import (
+    AGENT_VERSION,
+    HEARTBEAT_DOMAIN,
+    REGISTRATION_DOMAIN,
+    HeartbeatBody,
+    RegistrationBody,
+    sign_document,
+)
+from virtengine_hpc.node.latency import probe_all
+from virtengine_hpc.node.metrics import MetricsCollector
+from virtengine_hpc.node.sequence import SequenceStore
+from virtengine_hpc.signing import Signer, public_key_b64
+
+log = logging.getLogger("hpc-node-agent")
+REGISTER_PATH = "/api/v1/hpc/nodes/register"
+
+
+def heartbeat_path(node_id: str) -> str:
+    return f"/api/v1/hpc/nodes/{node_id}/heartbeat"
+
+
+class ProviderRefused(HPCError):
+    """The provider answered with an error (its reason code is ``code``) or could not be reached."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        code: str,
+        transient: bool,
+        status: int | None = None,
+        last_sequence: int | None = None,
+    ) -> None:
+        super().__init__(message, code=code, transient=transient)
+        self.status = status
+        self.last_sequence = last_sequence
+
+
+class NodeAgent:
+    def __init__(
+        self,
+        config: NodeAgentConfig,
+        signer: Signer,
+        *,
+        sequence: SequenceStore | None = None,
+        collector: MetricsCollector | None = None,
+        http: httpx.AsyncClient | None = None,
+    ) -> None:
+        config.require("node-id", "cluster-id", "provider-address", "provider-daemon-url")
+        self.config = config
+        self.signer = signer
+        self.sequence = sequence
+        self.collector = collector or MetricsCollector(config.storage_path)
+        self.http = http or httpx.AsyncClient(
+            base_url=str(config.provider_daemon_url), timeout=httpx.Timeout(10.0)
+        )
+        self.registered = False
+
+    async def close(self) -> None:
+        await self.http.aclose()
+
+    def _headers(self) -> dict[str, str]:
+        return {"X-Node-ID": str(self.config.node_id), "X-Cluster-ID": str(self.config.cluster_id)}
+
+    async def register(self) -> dict[str, Any]:
+        capacity, _ = await asyncio.to_thread(self.collector.collect)
+        body = RegistrationBody(
+            node_id=str(self.config.node_id),
+            cluster_id=str(self.config.cluster_id),
+            provider_address=str(self.config.provider_address),
+            public_key=public_key_b64(self.signer.public_key),
+            timestamp=datetime.now(UTC),
+            agent_version=AGENT_VERSION,
+            hostname=(socket.gethostname() or "unknown")[:253],
+            capacity=capacity,
+            placement=self.config.placement,
+        )
+        answer = await self._post(REGISTER_PATH, sign_document(body, REGISTRATION_DOMAIN, self.signer))
+        self.registered = True
+        if self.sequence is not None:
+            self.sequence.advance_past(int(answer.get("last_sequence", 0)))
+        log.info("registered node %s in cluster %s", self.config.node_id, self.config.cluster_id)
+        return answer
+
+    async def build_heartbeat(self, sequence_number: int) -> dict[str, Any]:
+        capacity, health = await asyncio.to_thread(self.collector.collect)
+        latency = await probe_all(list(self.config.latency_targets))
+        body = HeartbeatBody(
+            node_id=str(self.config.node_id),
+            cluster_id=str(self.config.cluster_id),
+            provider_address=str(self.config.provider_address),
+            sequence_number=sequence_number,
+            timestamp=datetime.now(UTC),
+            agent_version=AGENT_VERSION,
+            capacity=capacity,
+            health=health,
+            placement=self.config.placement,
+            latency=latency,
+        )
+        return sign_document(body, HEARTBEAT_DOMAIN, self.signer)
+
+    async def heartbeat(self) -> dict[str, Any]:
+        """Send one heartbeat; on a replay answer jump past the provider's sequence and resend once."""
+        assert self.sequence is not None, "heartbeats need the persisted sequence"
+        for attempt in (1, 2):
+            document = await self.build_heartbeat(self.sequence.next())
+            try:
+                return await self._post(heartbeat_path(str(self.config.node_id)), document)
+            except ProviderRefused as exc:
+                last = exc.last_sequence
+                if exc.code == "sequence_replayed" and last is not None and attempt == 1:
+                    log.warning("provider already saw sequence %s; continuing after it", last)
+                    self.sequence.advance_past(last)
+                    continue
+                raise
+        raise AssertionError("unreachable")
+
+    async def _post(self, path: str, document: dict[str, Any]) -> dict[str, Any]:
+        try:
+            response = await self.http.post(path, json=document, headers=self._headers())
+        except httpx.HTTPError as exc:
+            raise ProviderRefused(
+                f"provider unreachable: {exc}", code="unreachable", transient=True
+            ) from None
+        try:
+            answer = response.json()
+        except ValueError:
+            answer = {}
+        if response.status_code >= 400:
+            code = str(answer.get("error", f"http_{response.status_code}"))
+            last = answer.get("last_sequence")
+            raise ProviderRefused(
+                f"provider refused ({response.status_code} {code}): "
+                f"{answer.get('message', response.text[:200])}",
+                code=code,
+                transient=response.status_code >= 500,
+                status=response.status_code,
+                last_sequence=last if isinstance(last, int) else None,
+            )
+        return answer if isinstance(answer, dict) else {}
+
+    def _record(self, result: dict[str, Any]) -> None:
+        path = self.config.status_file
+        tmp = path.with_name(path.name + ".tmp")
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "w") as handle:
+                json.dump(result, handle, indent=2, default=str)
+            os.replace(tmp, path)
+        except OSError as exc:
+            log.warning("cannot write %s: %s", path, exc)
+
+    async def tick(self) -> dict[str, Any]:
+        """One round: register if needed, send a heartbeat, record the outcome."""
+        result: dict[str, Any] = {"at": datetime.now(UTC).isoformat()}
+        try:
+            if not self.registered:
+                await self.register()
+            answer = await self.heartbeat()
+            result.update(ok=True, sequence_number=answer.get("sequence_number"), state=answer.get("state"))
+        except ProviderRefused as exc:
+            result.update(ok=False, error=exc.code, message=str(exc), sequence_number=self.sequence_value())
+            if exc.code in ("not_registered", "unknown_node"):
+                self.registered = False
+            (log.warning if exc.transient else log.error)("%s", exc)
+        self._record(result)
+        return result
+
+    def sequence_value(self) -> int | None:
+        return self.sequence.current if self.sequence else None
+
+    async def run(self, stop: asyncio.Event) -> None:
+        interval = self.config.heartbeat_interval.total_seconds()
+        next_at = time.monotonic()
+        while not stop.is_set():
+            await self.tick()
+            next_at += interval
+            delay = next_at - time.monotonic()
+            if delay < 0:  # a slow round: skip the missed ticks rather than burst
+                next_at = time.monotonic()
+                delay = 0
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), timeout=delay)

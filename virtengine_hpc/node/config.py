@@ -1,0 +1,163 @@
+"""``hpc-node-agent`` configuration: the seed's keys, from YAML, then ``VE_NODE_*`` variables, then flags.
+
+Keys are spelled as in the seed (``node-id``, ``heartbeat-interval``, ...); an environment variable is the key
+in upper case with ``_`` for ``-`` behind ``VE_NODE_`` (``VE_NODE_NODE_ID``, ``VE_NODE_LATENCY_TARGETS=a,b``).
+Errors name the key and say why. The agent holds no secret in its config: its private key lives in
+``key-file`` (mode 0600).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from datetime import timedelta
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator
+from pydantic import ValidationError as PydanticValidationError
+
+from virtengine_hpc.config import Duration
+from virtengine_hpc.errors import ConfigError
+from virtengine_hpc.models import Address, Identifier
+from virtengine_hpc.node.heartbeat import Label, NodePlacement
+
+ENV_PREFIX = "VE_NODE_"
+DEFAULT_CONFIG_PATH = Path("/etc/virtengine/hpc-node-agent.yaml")
+DEFAULT_KEY_FILE = Path("/etc/virtengine/virtengine-agent.key")
+_TARGET_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,252}(:[0-9]{1,5})?$|^\[[0-9A-Fa-f:.]{2,45}\](:[0-9]{1,5})?$"
+
+
+def _lower(value: Any) -> Any:
+    if isinstance(value, str):
+        value = value.strip().lower()
+        return "warning" if value == "warn" else value
+    return value
+
+
+def _listish(value: Any) -> Any:
+    if isinstance(value, str):
+        return [part.strip() for part in value.split(",") if part.strip()]
+    return value
+
+
+class NodeAgentConfig(BaseModel):
+    """Every key of the seed's ``hpc-node-agent.yaml``, plus ``storage-path``."""
+
+    model_config = ConfigDict(
+        extra="forbid",
+        frozen=True,
+        alias_generator=lambda name: name.replace("_", "-"),
+        populate_by_name=True,
+    )
+
+    node_id: Identifier | None = Field(None, description="This node's id as the provider allowed it.")
+    cluster_id: Identifier | None = Field(None, description="The cluster the node belongs to.")
+    provider_address: Address | None = Field(None, description="The provider's chain address.")
+    provider_daemon_url: str | None = Field(
+        None, pattern=r"^https?://[A-Za-z0-9._:\[\]-]+(/[A-Za-z0-9._~/-]*)?$", description="The node API."
+    )
+    heartbeat_interval: Duration = Field(timedelta(seconds=30), description="Time between heartbeats.")
+    key_file: Path = Field(DEFAULT_KEY_FILE, description="Ed25519 private key (mode 0600).")
+    region: Label | None = None
+    datacenter: Label | None = None
+    zone: Label | None = None
+    rack: Label | None = None
+    row: Label | None = None
+    position: Label | None = None
+    latency_targets: Annotated[
+        list[Annotated[str, Field(pattern=_TARGET_PATTERN)]], BeforeValidator(_listish)
+    ] = Field(default_factory=list, max_length=64, description="host or host:port (default port 6818).")
+    log_level: Annotated[Literal["debug", "info", "warning", "error"], BeforeValidator(_lower)] = "info"
+    storage_path: Path = Field(Path("/"), description="Filesystem whose size is reported as storage.")
+
+    @field_validator("heartbeat_interval")
+    @classmethod
+    def _interval_bounds(cls, value: timedelta) -> timedelta:
+        if not timedelta(milliseconds=200) <= value <= timedelta(hours=1):
+            raise ValueError("must be between 200ms and 1h")
+        return value
+
+    @property
+    def placement(self) -> NodePlacement:
+        return NodePlacement(
+            region=self.region,
+            datacenter=self.datacenter,
+            zone=self.zone,
+            rack=self.rack,
+            row=self.row,
+            position=self.position,
+        )
+
+    @property
+    def sequence_file(self) -> Path:
+        """The persisted heartbeat sequence lives next to the key: they belong together."""
+        return self.key_file.with_name(self.key_file.name + ".seq")
+
+    @property
+    def status_file(self) -> Path:
+        return self.key_file.with_name(self.key_file.name + ".status.json")
+
+    def require(self, *keys: str) -> None:
+        """Fail with one clear message naming every missing key and where it can be set."""
+        missing = [key for key in keys if getattr(self, key.replace("-", "_")) is None]
+        if missing:
+            hints = ", ".join(f"{k} ({ENV_PREFIX}{k.replace('-', '_').upper()} or --{k})" for k in missing)
+            raise ConfigError(f"missing required configuration: {hints}")
+
+
+def _env_overrides(env: Mapping[str, str]) -> dict[str, Any]:
+    fields = {name.replace("_", "-") for name in NodeAgentConfig.model_fields}
+    out: dict[str, Any] = {}
+    for name, value in env.items():
+        if not name.startswith(ENV_PREFIX):
+            continue
+        key = name[len(ENV_PREFIX) :].lower().replace("_", "-")
+        if key not in fields:
+            raise ConfigError(f"{name}: unknown setting (known: {', '.join(sorted(fields))})")
+        if key == "latency-targets" and value.strip().startswith("["):
+            out[key] = yaml.safe_load(value)
+        else:
+            out[key] = value
+    return out
+
+
+def _format(err: PydanticValidationError) -> str:
+    parts = []
+    for item in err.errors():
+        where = ".".join(str(p) for p in item["loc"]) or "(top level)"
+        message = item["msg"].removeprefix("Value error, ")
+        if item["type"] == "extra_forbidden":
+            message = "unknown key (see docs/node-agent.md for the keys)"
+        parts.append(f"{where}: {message}")
+    return "invalid hpc-node-agent configuration: " + "; ".join(parts)
+
+
+def load_agent_config(
+    path: str | os.PathLike[str] | None = None,
+    *,
+    env: Mapping[str, str] | None = None,
+    overrides: Mapping[str, Any] | None = None,
+) -> NodeAgentConfig:
+    """YAML file (if any), then ``VE_NODE_*`` variables, then ``overrides`` (flags that were given)."""
+    env = os.environ if env is None else env
+    data: dict[str, Any] = {}
+    if path is not None:
+        try:
+            text = Path(path).read_text()
+        except OSError as exc:
+            raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from None
+        try:
+            loaded = yaml.safe_load(text) or {}
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"config file {path} is not valid YAML: {exc}") from None
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"config file {path}: the top level must be a mapping of keys")
+        data.update({str(k): v for k, v in loaded.items()})
+    data.update(_env_overrides(env))
+    data.update({k.replace("_", "-"): v for k, v in (overrides or {}).items() if v is not None})
+    try:
+        return NodeAgentConfig.model_validate(data)
+    except PydanticValidationError as exc:
+        raise ConfigError(_format(exc)) from None
