@@ -623,6 +623,8 @@ _WRITER = textwrap.dedent(
 
     path, name, rounds = sys.argv[1], sys.argv[2], int(sys.argv[3])
     ledger = LocalLedger(path, busy_timeout=60)
+    print("ready", flush=True)
+    sys.stdin.readline()  # start together with the other writer
 
     async def main():
         for i in range(rounds):
@@ -643,11 +645,12 @@ _WRITER = textwrap.dedent(
 def test_two_processes_writing_at_once_do_not_corrupt(tmp_path: Path) -> None:
     path = tmp_path / "shared.db"
     LocalLedger(path)
-    rounds = 60
+    rounds = 100
     procs = [
         subprocess.Popen(
             [sys.executable, "-c", _WRITER, str(path), name, str(rounds)],
             cwd=REPO,
+            stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
@@ -655,11 +658,17 @@ def test_two_processes_writing_at_once_do_not_corrupt(tmp_path: Path) -> None:
         for name in ("alice", "bob")
     ]
     for proc in procs:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+    for proc in procs:
+        assert proc.stdin is not None
+        proc.stdin.write("go\n")
+        proc.stdin.flush()
+    for proc in procs:
         out, err = proc.communicate(timeout=120)
         assert proc.returncode == 0, err
         assert out.strip() == "done"
     ledger = LocalLedger(path)
-    assert ledger.balance("shared") == Decimal("0.000120")
+    assert ledger.balance("shared") == Decimal("0.000200")
     # Each job escrowed 0.5 and was refunded when it failed unstarted: every tenant keeps what it was given.
     assert ledger.balance("alice") == ledger.balance("bob") == Decimal(rounds)
     jobs = ledger.jobs()
