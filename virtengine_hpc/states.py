@@ -1,8 +1,8 @@
 """The nine job states, their order and allowed transitions, and the lifecycle events between them.
 
-One enum with an order and a ``final`` flag (after psij's ``JobState``): backward moves are ignored unless they are
-an explicit requeue, skipped intermediate states are filled in so that every lifecycle callback fires, and a final
-state never changes again.
+One enum with an order and a ``final`` flag (after psij's ``JobState``): backward moves are ignored unless
+they are an explicit requeue, skipped intermediate states are filled in so that every lifecycle callback
+fires, and a final state never changes again.
 """
 
 from __future__ import annotations
@@ -55,7 +55,8 @@ _ORDER = {
 }
 
 # Allowed direct transitions. Every non-final state may end in failed or cancelled (a job can be rejected or
-# cancelled before it ever runs); timeout needs a job that started; completed needs a job that ran.
+# cancelled before it ever runs); timeout needs a job the scheduler holds (a queued job times out when it does
+# not start within the provider's job_timeout_default); completed needs a job that ran.
 ALLOWED_TRANSITIONS: dict[JobState, frozenset[JobState]] = {
     JobState.PENDING: frozenset({JobState.QUEUED, JobState.FAILED, JobState.CANCELLED}),
     JobState.QUEUED: frozenset(
@@ -103,7 +104,12 @@ class LifecycleEvent(StrEnum):
 
 
 def lifecycle_event(old: JobState, new: JobState) -> LifecycleEvent | None:
-    """The callback a transition fires (``None`` for moves with no event of their own, such as running→queued)."""
+    """The callback a transition fires.
+
+    ``None`` for moves with no event of their own: entering ``starting`` (``started`` fires on ``running``,
+    whether or not the scheduler showed the starting phase). A requeue (running→queued) fires ``queued``
+    again.
+    """
     if new == JobState.RUNNING:
         return LifecycleEvent.RESUMED if old == JobState.SUSPENDED else LifecycleEvent.STARTED
     return {
@@ -119,8 +125,8 @@ def lifecycle_event(old: JobState, new: JobState) -> LifecycleEvent | None:
 def transition_path(old: JobState, new: JobState) -> list[JobState]:
     """States to pass through from ``old`` to ``new``, skipped intermediate states filled in.
 
-    Returns ``[]`` when the move must be ignored: same state, a backward move that is not a requeue, or any move
-    out of a final state. A scheduler poll that jumps from queued straight to completed yields
+    Returns ``[]`` when the move must be ignored: same state, a backward move that is not a requeue, or any
+    move out of a final state. A scheduler poll that jumps from queued straight to completed yields
     ``[running, completed]`` so that ``started`` fires before ``completed``.
     """
     if old == new or old.final:
