@@ -24,6 +24,7 @@ import errno
 import fcntl
 import hashlib
 import json
+import math
 import os
 import pwd
 import re
@@ -32,6 +33,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterable
 from datetime import UTC, datetime
@@ -48,7 +50,7 @@ from activities.schedulers.base import (
     SubmitResult,
     register,
 )
-from virtengine_hpc.config import LocalSchedulerConfig
+from virtengine_hpc.config import Config, LocalSchedulerConfig, Secrets
 from virtengine_hpc.errors import JobNotFound, SchedulerError, SchedulerUnavailable, SubmissionRejected
 from virtengine_hpc.models import UsageMetrics
 from virtengine_hpc.states import JobState
@@ -99,13 +101,19 @@ class LocalAdapter(SchedulerAdapter):
             path.mkdir(mode=0o700, parents=True, exist_ok=True)
         self._meta_cache: dict[str, dict[str, Any]] = {}
         self._spawned: list[subprocess.Popen[bytes]] = []
+        self._spawned_lock = threading.Lock()
         self._remove_stale_tmp()
+
+    @classmethod
+    def from_config(cls, config: Config, secrets: Secrets, cluster_id: str) -> LocalAdapter:
+        """The worker's local executor: ``hpc.local`` settings, jobs under ``Config.local_state_dir``."""
+        return cls(config.hpc.local, config.local_state_dir, cluster_id)
 
     # ---- public helpers ------------------------------------------------------------------------------------
     def job_dir(self, scheduler_job_id: str) -> Path:
         """The job's directory (its ``stdout`` and ``stderr`` files are there). Raises ``JobNotFound``."""
         if not _JOB_ID_RE.fullmatch(scheduler_job_id):
-            raise JobNotFound(f"{scheduler_job_id[:80]!r} is not a local job id", code="job_not_found")
+            raise JobNotFound(f"{scheduler_job_id[:80]!r} is not a local job id")
         return self._jobs / scheduler_job_id
 
     # ---- the interface -------------------------------------------------------------------------------------
@@ -204,10 +212,12 @@ class LocalAdapter(SchedulerAdapter):
             },
             "slots": {"dir": str(self._slots), "count": self.config.max_parallel_jobs},
             "working_directory": workdir,
-            "env": self._environment(request, job_id, jobdir, workdir),
+            "env": self._environment(request, job_id, jobdir, workdir, walltime),
         }
 
-    def _environment(self, request: SubmitRequest, job_id: str, jobdir: Path, workdir: str) -> dict[str, str]:
+    def _environment(
+        self, request: SubmitRequest, job_id: str, jobdir: Path, workdir: str, walltime: float
+    ) -> dict[str, str]:
         """A clean environment: a minimal base, the tenant's variables, then ours (reserved names)."""
         job, res = request.job, request.job.resources
         try:
@@ -241,7 +251,7 @@ class LocalAdapter(SchedulerAdapter):
                 "VIRTENGINE_JOB_DIR": str(jobdir),
                 "VIRTENGINE_GPUS_PER_NODE": str(res.gpus_per_node),
                 "VIRTENGINE_MEM_PER_NODE_MB": str(res.memory_mb_per_node),
-                "VIRTENGINE_WALLTIME_SECONDS": str(job.walltime_seconds),
+                "VIRTENGINE_WALLTIME_SECONDS": str(math.ceil(walltime)),
                 # Task counts under their SLURM names, so that templates written for SLURM run unchanged.
                 # Never SLURM_JOB_ID/SLURM_JOBID: MPI launchers take those as "inside a SLURM allocation" and
                 # call srun.
@@ -299,7 +309,8 @@ class LocalAdapter(SchedulerAdapter):
                 )
         except OSError as exc:
             raise SchedulerUnavailable(f"cannot start the local job supervisor: {exc}") from exc
-        self._spawned.append(proc)
+        with self._spawned_lock:
+            self._spawned.append(proc)
         return self._commit(jobdir, proc.pid)
 
     def _commit(self, jobdir: Path, pid: int) -> bool:
@@ -310,7 +321,8 @@ class LocalAdapter(SchedulerAdapter):
 
     def _reap_spawned(self) -> None:
         """Reap the processes we spawned: each forks the real supervisor and exits within milliseconds."""
-        self._spawned = [proc for proc in self._spawned if proc.poll() is None]
+        with self._spawned_lock:
+            self._spawned = [proc for proc in self._spawned if proc.poll() is None]
 
     # ---- lookups -------------------------------------------------------------------------------------------
     def _find(self, workflow_id: str) -> str | None:
@@ -340,15 +352,17 @@ class LocalAdapter(SchedulerAdapter):
         Raises ``JobNotFound`` for an unknown job. ``None`` for a job whose supervisor has not started yet.
         """
         jobdir = self.job_dir(job_id)
-        status = sup.read_json(jobdir / sup.STATUS)
-        if status is None and not jobdir.is_dir():
+        # Plain string paths: this runs for every job of every status_batch; pathlib would cost more than I/O.
+        prefix = f"{jobdir}/"
+        status = sup.read_json(prefix + sup.STATUS)
+        if status is not None and status.get("state") in sup.FINAL_STATES:
+            return status
+        if status is None and not os.path.isdir(jobdir):
             raise JobNotFound(f"no local job {job_id}")
-        if not (jobdir / sup.STARTED).exists():
+        if not os.path.exists(prefix + sup.STARTED):
             return None  # not launched (a submit died before launching it); a retried submit launches it
         if status is None:  # launched; the supervisor has not written its first status yet
             status = {"state": "queued", "native_state": "STARTING", "reason": "the supervisor is starting"}
-        elif status.get("state") in sup.FINAL_STATES:
-            return status
         return self._reconcile(jobdir, status)
 
     def _reconcile(self, jobdir: Path, status: dict[str, Any]) -> dict[str, Any]:
@@ -363,7 +377,9 @@ class LocalAdapter(SchedulerAdapter):
             status = sup.read_json(jobdir / sup.STATUS) or {}
             if status.get("state") in sup.FINAL_STATES:
                 return status
-            killed = sup.kill_orphaned_group(status.get("job_pid"), status.get("job_start_ticks"))
+            killed = status.get("boot_id") == sup.boot_id() and sup.kill_orphaned_group(
+                status.get("job_pid"), status.get("job_start_ticks")
+            )
             reason = (
                 "the job's supervisor died without recording an end state (host reboot or the supervisor was "
                 "killed); the job's outcome is unknown"
@@ -423,7 +439,11 @@ class LocalAdapter(SchedulerAdapter):
         if status is None:
             return
         pid, start = status.get("supervisor_pid"), status.get("supervisor_start_ticks")
-        if isinstance(pid, int) and sup.is_same_process(pid, start):
+        if (
+            isinstance(pid, int)
+            and status.get("boot_id") == sup.boot_id()
+            and sup.is_same_process(pid, start)
+        ):
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.kill(pid, signal.SIGTERM)
 
