@@ -85,8 +85,10 @@ def wait_gone(pid: int, timeout: float = 10.0) -> bool:
 
 
 def supervisor_pid(adapter: LocalAdapter, job_id: str) -> int:
-    status = sup.read_json(adapter.job_dir(job_id) / sup.STATUS)
-    assert status is not None
+    deadline = time.monotonic() + 10
+    while (status := sup.read_json(adapter.job_dir(job_id) / sup.STATUS)) is None:
+        assert time.monotonic() < deadline, "the supervisor wrote no status"
+        time.sleep(0.02)
     return int(status["supervisor_pid"])
 
 
@@ -436,6 +438,23 @@ async def test_a_killed_supervisor_is_reported_failed_not_completed(
     await fresh.cancel(job_id)  # ended: a no-op
 
 
+async def test_a_killed_queued_supervisor_is_reported_failed_and_never_runs(
+    make_adapter: Callable[..., LocalAdapter], tmp_path: Path
+) -> None:
+    adapter = make_adapter(max_parallel_jobs=1)
+    holder = (await adapter.submit(request("wf-holder", "sleep 300\n"))).scheduler_job_id
+    await wait_for(adapter, holder, {JobState.RUNNING})
+    ran = tmp_path / "ran"
+    queued = (await adapter.submit(request("wf-lost-queued", f"touch {ran}\n"))).scheduler_job_id
+    await wait_for(adapter, queued, {JobState.QUEUED})
+    os.kill(supervisor_pid(adapter, queued), signal.SIGKILL)
+    status = await wait_final(adapter, queued, timeout=10)
+    assert (status.state, status.native_state) == (JobState.FAILED, "SUPERVISOR_LOST")
+    await adapter.cancel(holder)
+    await wait_final(adapter, holder, timeout=10)
+    assert not ran.exists()
+
+
 # ---- usage -------------------------------------------------------------------------------------------------
 BURNER = """
 import sys, time
@@ -480,6 +499,7 @@ async def test_usage_follows_real_cpu_and_memory_and_never_goes_back(
     jobdir = adapter.job_dir(job_id)
     real_cpu = float((jobdir / "cpu1").read_text()) + float((jobdir / "cpu2").read_text())
     measured = float(final.cpu_core_seconds)
+    print(f"measured {measured:.3f} s of CPU, the burners report {real_cpu:.3f} s")
     assert abs(measured - real_cpu) / real_cpu < 0.15, (measured, real_cpu)
     assert final.memory_bytes_max is not None and final.memory_bytes_max >= 96 * 2**20
     assert final.memory_gb_seconds > 0
@@ -548,6 +568,8 @@ async def test_job_environment_is_clean_and_describes_the_allocation(
     assert env["VIRTENGINE_SCHEDULER_JOB_ID"] == job_id
     assert env["SLURM_NTASKS"] == env["VIRTENGINE_NTASKS"] == "6"
     assert env["SLURM_NNODES"] == "2" and env["SLURM_CPUS_PER_TASK"] == "2"
+    assert env["VIRTENGINE_WALLTIME_SECONDS"] == "3600"
+    assert env["HOME"] == str(workdir)
     assert "SLURM_JOB_ID" not in env and "SLURM_JOBID" not in env
 
 

@@ -117,6 +117,15 @@ def read_stat(pid: int) -> ProcStat | None:
     )
 
 
+def boot_id() -> str:
+    """This boot's id: pids and start ticks recorded during another boot name nothing now."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as fh:
+            return fh.read().strip()
+    except OSError:
+        return ""
+
+
 def is_same_process(pid: int | None, start_ticks: int | None) -> bool:
     """True if ``pid`` still names the process that started at ``start_ticks`` (not a reused pid)."""
     if not pid or start_ticks is None:
@@ -280,7 +289,7 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def read_json(path: Path) -> dict[str, Any] | None:
+def read_json(path: str | Path) -> dict[str, Any] | None:
     try:
         with open(path, "rb") as fh:
             data = json.loads(fh.read())
@@ -380,6 +389,7 @@ class Supervisor:
             "reason": "waiting for a free slot",
             "exit_code": None,
             "signal": None,
+            "boot_id": boot_id(),
             "supervisor_pid": os.getpid(),
             "supervisor_start_ticks": me.start_ticks if me else None,
             "job_pid": None,
