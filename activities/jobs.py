@@ -38,7 +38,6 @@ from virtengine_hpc.messages import (
 )
 from virtengine_hpc.models import JobSpec, UsageMetrics, UsageRecord
 from virtengine_hpc.signing import Signer
-from virtengine_hpc.states import JobState
 from virtengine_hpc.usage import diff_metrics, normalize_metrics, record_id, sign_record, sum_metrics
 
 log = logging.getLogger(__name__)

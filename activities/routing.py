@@ -243,7 +243,7 @@ class RoutingEnforcer:
         *,
         severity: int | None = None,
     ) -> None:
-        violation = Violation(type=kind, severity=severity or SEVERITY[kind], message=message)  # type: ignore[arg-type]
+        violation = Violation(type=kind, severity=severity or SEVERITY[kind], message=message)
         result.violations.append(violation)
         self.audit.record(
             "routing_violation",

@@ -7,6 +7,7 @@ up), the settlement, the audit trail, and that nothing is submitted twice.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import uuid
 from collections.abc import AsyncIterator
 from decimal import Decimal
@@ -46,8 +47,8 @@ def check_usage(p: Pipeline, job_id: str, key_path: Path) -> None:
     assert [r.is_final for r in records] == [False] * (len(records) - 1) + [True]
     public = Signer.from_file(key_path).public_key
     assert all(verify_record(r, public) for r in records)
-    for earlier, later in zip(records, records[1:], strict=False):
-        assert earlier.period_end <= later.period_start or earlier.period_end == later.period_start
+    for earlier, later in itertools.pairwise(records):
+        assert earlier.period_end <= later.period_start
     settlement = p.ledger.settlement(job_id)
     assert settlement is not None
     assert settlement.charged + settlement.refunded == settlement.escrow

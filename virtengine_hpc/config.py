@@ -202,7 +202,8 @@ class HPCConfig(Section):
     def scheduler_poll_interval(self) -> timedelta:
         """The poll interval of the configured scheduler's section."""
         section = getattr(self, self.scheduler_type)
-        return section.job_poll_interval  # type: ignore[no-any-return]
+        interval: timedelta = section.job_poll_interval
+        return interval
 
 
 class RoutingConfig(Section):

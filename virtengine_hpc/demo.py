@@ -146,7 +146,7 @@ def _start_worker(base: Path, config_path: Path, key_path: Path) -> int:
 
 def _submit(ledger: LocalLedger, run: str) -> dict[str, str]:
     common = {"tenant": TENANT, "provider": PROVIDER, "offering_id": OFFERING, "partition": "debug"}
-    jobs = {
+    jobs: dict[str, dict[str, Any]] = {
         "success": {"script": BURN, "walltime_seconds": 600, "max_price": "5"},
         "failure": {
             "script": 'echo "about to fail" >&2\nexit 3\n',
@@ -234,7 +234,7 @@ def _summary(config: Config, ledger: LocalLedger, signer: Signer, ids: dict[str,
             ok = "verified" if verify_record(rec, signer.public_key) else "BAD SIGNATURE"
             m = rec.metrics
             print(
-                f"{rec.record_id:<44} final={str(rec.is_final):<5} wall={m.wall_clock_seconds:>9}s "
+                f"{rec.record_id:<44} final={rec.is_final!s:<5} wall={m.wall_clock_seconds:>9}s "
                 f"cpu={m.cpu_core_seconds:>10} core-s mem={m.memory_gb_seconds:>9} GB-s  {ok}"
             )
 

@@ -45,7 +45,7 @@ def normalize_metrics(metrics: UsageMetrics) -> UsageMetrics:
 def _opt_op(a: int | Decimal | None, b: int | Decimal | None, sign: int) -> int | Decimal | None:
     if a is None and b is None:
         return None
-    return (a or 0) + sign * (b or 0)  # type: ignore[operator]
+    return (a or 0) + sign * (b or 0)
 
 
 def add_metrics(a: UsageMetrics, b: UsageMetrics) -> UsageMetrics:

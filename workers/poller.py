@@ -12,6 +12,7 @@ signals.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from dataclasses import dataclass, field
@@ -73,10 +74,8 @@ class ChainPoller:
                 log.warning("poll failed: %s", exc)
             except RPCError as exc:
                 log.warning("poll failed talking to Temporal: %s", exc)
-            try:
+            with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), timeout=interval)
-            except TimeoutError:
-                pass
 
     async def running_ids(self) -> set[str]:
         query = (

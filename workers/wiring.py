@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import importlib
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from temporalio.client import Client
 from temporalio.contrib.pydantic import pydantic_data_converter
@@ -90,7 +92,7 @@ def build_adapter(config: Config, secrets: Secrets, cluster_id: str | None = Non
     factory = registered().get(kind)
     if factory is None:
         raise ConfigError(f"hpc.scheduler_type: no adapter registered as {kind!r}")
-    return factory.from_config(config, secrets, cluster_id or config.hpc.cluster_id)  # type: ignore[attr-defined]
+    return factory.from_config(config, secrets, cluster_id or config.hpc.cluster_id)
 
 
 def load_signer(secrets: Secrets) -> Signer:
@@ -108,7 +110,8 @@ def body_resolver() -> BodyResolver:
         module = importlib.import_module("activities.templates")
     except ModuleNotFoundError:
         return script_only_body
-    return getattr(module, "resolve_body", script_only_body)  # type: ignore[no-any-return]
+    resolver: BodyResolver = getattr(module, "resolve_body", script_only_body)
+    return resolver
 
 
 @dataclass
@@ -119,7 +122,7 @@ class WorkerDeps:
     signer: Signer
     adapters: dict[str, SchedulerAdapter]
     activities: JobActivities
-    extra_activities: list[object] = field(default_factory=list)
+    extra_activities: list[Callable[..., Any]] = field(default_factory=list)
 
     async def close(self) -> None:
         for adapter in self.adapters.values():

@@ -9,7 +9,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+from collections.abc import Callable
 from datetime import timedelta
+from typing import Any
 
 from temporalio.client import Client
 from temporalio.worker import Worker
@@ -23,7 +25,7 @@ from workflows.hpc_job import HPCJobWorkflow
 log = logging.getLogger(__name__)
 
 
-def job_activities(acts: JobActivities) -> list[object]:
+def job_activities(acts: JobActivities) -> list[Callable[..., Any]]:
     return [
         acts.route_job,
         acts.submit_job,

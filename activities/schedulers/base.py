@@ -108,11 +108,11 @@ class SchedulerAdapter(abc.ABC):
         """
         raise NotImplementedError(f"{self.name} cannot tell whether a node is busy")
 
-    async def close(self) -> None:
+    async def close(self) -> None:  # noqa: B027 - optional hook; most adapters hold nothing to release
         """Release connections (SSH sessions, HTTP pools)."""
 
 
-_REGISTRY: dict[str, Callable[..., SchedulerAdapter]] = {}
+_REGISTRY: dict[str, type[SchedulerAdapter]] = {}
 
 
 def register(name: str) -> Callable[[type[SchedulerAdapter]], type[SchedulerAdapter]]:
@@ -126,5 +126,5 @@ def register(name: str) -> Callable[[type[SchedulerAdapter]], type[SchedulerAdap
     return wrap
 
 
-def registered() -> dict[str, Callable[..., SchedulerAdapter]]:
+def registered() -> dict[str, type[SchedulerAdapter]]:
     return dict(_REGISTRY)
