@@ -62,9 +62,8 @@ SAMPLE_INTERVAL = 1.0
 #: How often the head of the queue looks for a free slot; how often a running job's cancel file is checked.
 SLOT_POLL = 0.25
 CANCEL_POLL = 0.5
-#: How often a queued job wakes to look for a cancel file. The adapter also sends SIGTERM, which wakes it at
-#: once. Waking often would cost: every waiter interrupted out of the queue lock wakes the ones behind it.
-QUEUE_RECHECK = 30.0
+#: How often a queued job wakes to look for a cancel file; the adapter also sends SIGTERM, which wakes it at once.
+QUEUE_RECHECK = 5.0
 #: How long to wait for killed leftovers to be reaped before giving up on them.
 REAP_LIMIT = 10.0
 BASH = "/bin/bash" if os.path.exists("/bin/bash") else "/usr/bin/bash"
@@ -359,10 +358,6 @@ def _log(message: str) -> None:
     print(f"{stamp} supervisor[{os.getpid()}]: {message}", file=sys.stderr, flush=True)
 
 
-class _Interrupted(Exception):
-    """Raised by a signal handler to break out of a blocking ``flock`` (cancel, or the periodic check)."""
-
-
 # ---- the supervisor ----------------------------------------------------------------------------------------
 class Supervisor:
     def __init__(self, jobdir: Path, meta: dict[str, Any]) -> None:
@@ -370,7 +365,6 @@ class Supervisor:
         self.meta = meta
         self.limits = meta["limits"]
         self._signalled: int | None = None
-        self._in_blocking_lock = False
         self._wake_r, self._wake_w = os.pipe()
         self._reaped_cpu = 0.0
         self._max_rss = 0
@@ -409,18 +403,11 @@ class Supervisor:
         signal.set_wakeup_fd(self._wake_w, warn_on_full_buffer=False)
         for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             signal.signal(signum, self._on_terminate)
-        signal.signal(signal.SIGALRM, self._on_alarm)
         # A handler (not SIG_IGN, which the job would inherit) so that select() wakes when a child exits.
         signal.signal(signal.SIGCHLD, lambda *_: None)
 
     def _on_terminate(self, signum: int, _frame: object) -> None:
         self._signalled = signum
-        if self._in_blocking_lock:
-            raise _Interrupted
-
-    def _on_alarm(self, _signum: int, _frame: object) -> None:
-        if self._in_blocking_lock:
-            raise _Interrupted
 
     def _sleep(self, seconds: float) -> None:
         if seconds > 0:
@@ -449,44 +436,55 @@ class Supervisor:
             _log(f"cannot write the status file: {exc}")
 
     # -- queueing
-    def _lock_blocking(self, fd: int, timeout: float) -> bool:
-        """``flock(LOCK_EX)`` giving up after ``timeout`` or on a cancel signal (the handler breaks it)."""
-        self._in_blocking_lock = True
-        signal.setitimer(signal.ITIMER_REAL, timeout)
-        try:
-            if self._signalled is not None:  # arrived before the flag was set: the handler did not raise
-                return False
-            fcntl.flock(fd, fcntl.LOCK_EX)
-            return True
-        except _Interrupted:
-            return False
-        finally:
-            self._in_blocking_lock = False
-            signal.setitimer(signal.ITIMER_REAL, 0)
-
     def wait_for_slot(self) -> int | None:
         """Hold one of the ``max_parallel_jobs`` slot locks; ``None`` if the job is cancelled while queued.
 
         Waiting jobs line up on ``queue.lock``, asleep in the kernel; only the head of the line polls the
-        slots. A queued job costs no CPU; a cancel reaches it as SIGTERM (and, as a fallback, as a file).
+        slots, so a queued job costs no CPU. A cancel reaches it as SIGTERM (and, as a fallback, as a file).
         """
         slots_dir = Path(self.meta["slots"]["dir"])
         count = int(self.meta["slots"]["count"])
         queue_fd = os.open(slots_dir / "queue.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         try:
+            try:
+                fcntl.flock(queue_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                if not self._wait_for_head_of_queue(queue_fd):
+                    return None
             while not self.cancel_requested():
-                try:
-                    at_head = self._lock_blocking(queue_fd, QUEUE_RECHECK)
-                except _Interrupted:  # the alarm fired just after the lock was taken: flock again (a no-op)
-                    at_head = False
-                while at_head and not self.cancel_requested():
-                    slot = self._try_slots(slots_dir, count)
-                    if slot is not None:
-                        return slot
-                    self._sleep(SLOT_POLL)
+                slot = self._try_slots(slots_dir, count)
+                if slot is not None:
+                    return slot
+                self._sleep(SLOT_POLL)
             return None
         finally:
             os.close(queue_fd)  # lets the next waiting job to the head of the line
+
+    def _wait_for_head_of_queue(self, queue_fd: int) -> bool:
+        """Block on the queue lock in a helper thread; True once held, False if the job is cancelled first.
+
+        A thread, because a blocking ``flock`` in the main thread can only be broken by raising from a signal
+        handler, which is fragile; and waking waiters periodically would wake every waiter queued behind them.
+        """
+        import threading  # only queued jobs pay for it
+
+        done_r, done_w = os.pipe()
+        took: list[bool] = []
+
+        def take() -> None:
+            try:
+                fcntl.flock(queue_fd, fcntl.LOCK_EX)
+                took.append(True)
+            finally:
+                os.write(done_w, b"x")
+
+        threading.Thread(target=take, name="queue-lock", daemon=True).start()
+        while not self.cancel_requested():
+            readable, _, _ = select.select([done_r, self._wake_r], [], [], QUEUE_RECHECK)
+            if done_r in readable:
+                return bool(took)
+            self._sleep(0)  # drain the signal wake-up bytes
+        return False
 
     def _try_slots(self, slots_dir: Path, count: int) -> int | None:
         first = os.getpid() % count  # spread the first try over the slots
