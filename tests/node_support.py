@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from decimal import Decimal
 from pathlib import Path
+from typing import Any
 
 from temporalio.client import Client
 from temporalio.worker import Worker
@@ -136,7 +137,7 @@ async def wait_for(
         await asyncio.sleep(0.1)
 
 
-def audit_events(path: Path, event_type: str | None = None) -> list[dict[str, object]]:
+def audit_events(path: Path, event_type: str | None = None) -> list[dict[str, Any]]:
     if not path.exists():
         return []
     return [e for e in read_events(path) if event_type is None or e["event_type"] == event_type]
@@ -154,14 +155,21 @@ class NodeHarness:
 
 @asynccontextmanager
 async def node_worker(
-    client: Client, tmp_path: Path, *, cluster_id: str = "c1", scheduler: RecordingNodeScheduler | None = None
+    client: Client,
+    tmp_path: Path,
+    *,
+    cluster_id: str = "c1",
+    scheduler: RecordingNodeScheduler | None = None,
+    ledger_path: Path | None = None,
+    audit_path: Path | None = None,
+    task_queue: str | None = None,
 ) -> AsyncIterator[NodeHarness]:
     """A worker running NodeWorkflow and NodeActivities over a ledger and audit log in ``tmp_path``."""
-    ledger = NodeLedger(tmp_path / "ledger.db")
-    audit_path = tmp_path / "audit.log"
+    ledger = NodeLedger(ledger_path or tmp_path / "ledger.db")
+    audit_path = audit_path or tmp_path / "audit.log"
     audit = AuditLog(AuditConfig(log_path=audit_path))
     scheduler = scheduler or RecordingNodeScheduler()
-    task_queue = f"nodes-{uuid.uuid4().hex[:10]}"
+    task_queue = task_queue or f"nodes-{uuid.uuid4().hex[:10]}"
     activities = NodeActivities(ledger, {cluster_id: scheduler}, audit, batch_window=0.01)
     async with Worker(client, task_queue=task_queue, workflows=[NodeWorkflow], activities=activities.all()):
         yield NodeHarness(ledger, audit, audit_path, scheduler, task_queue, cluster_id)
@@ -184,7 +192,7 @@ class SimulatedNode:
     def public_key(self) -> str:
         return public_key_b64(self.signer.public_key)
 
-    def registration(self, *, timestamp: datetime | None = None) -> dict[str, object]:
+    def registration(self, *, timestamp: datetime | None = None) -> dict[str, Any]:
         body = RegistrationBody(
             node_id=self.node_id,
             cluster_id=self.cluster_id,
@@ -198,7 +206,7 @@ class SimulatedNode:
         )
         return sign_document(body, REGISTRATION_DOMAIN, self.signer)
 
-    def heartbeat(self, sequence: int, *, timestamp: datetime | None = None) -> dict[str, object]:
+    def heartbeat(self, sequence: int, *, timestamp: datetime | None = None) -> dict[str, Any]:
         body = HeartbeatBody(
             node_id=self.node_id,
             cluster_id=self.cluster_id,

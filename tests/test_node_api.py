@@ -41,7 +41,7 @@ class APIHarness:
     client: Client
 
     def rejections(self, event: str = "heartbeat_rejected") -> list[str]:
-        return [e["details"]["reason"] for e in audit_events(self.nodes.audit_path, event)]  # type: ignore[index]
+        return [e["details"]["reason"] for e in audit_events(self.nodes.audit_path, event)]
 
     async def state(self, node: SimulatedNode) -> NodeState:
         handle = self.client.get_workflow_handle(workflow_id(node.cluster_id, node.node_id))
@@ -130,8 +130,8 @@ async def test_forged_and_tampered_heartbeats_are_refused_and_audited(harness: A
     assert answer.status_code == 401 and answer.json()["error"] == "signature_invalid"
 
     tampered = node.heartbeat(2)
-    tampered["capacity"]["cpu_cores_total"] = 512  # type: ignore[index]
-    tampered["capacity"]["cpu_cores_available"] = 512  # type: ignore[index]
+    tampered["capacity"]["cpu_cores_total"] = 512
+    tampered["capacity"]["cpu_cores_available"] = 512
     answer = await harness.http.post(HB.format(node.node_id), json=tampered)
     assert answer.status_code == 401 and answer.json()["error"] == "signature_invalid"
     assert harness.rejections() == ["signature_invalid", "signature_invalid"]
@@ -240,4 +240,4 @@ async def test_identical_rejections_are_audited_once_per_window(harness: APIHarn
     harness.api.limiter.window = 0.0
     await harness.http.post(HB.format(node.node_id), json=forger.heartbeat(9))
     last = audit_events(harness.nodes.audit_path, "heartbeat_rejected")[-1]
-    assert last["details"]["suppressed_since_last"] == 4  # type: ignore[index]
+    assert last["details"]["suppressed_since_last"] == 4

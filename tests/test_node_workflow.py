@@ -78,7 +78,7 @@ async def test_silence_makes_a_node_stale_then_offline_and_a_heartbeat_brings_it
         assert h.ledger.cluster_capacity("c1").active_nodes == 1
 
         changes = [
-            (e["details"]["previous_state"], e["details"]["state"])  # type: ignore[index]
+            (e["details"]["previous_state"], e["details"]["state"])
             for e in audit_events(h.audit_path, "node_state_changed")
         ]
         assert changes == [
