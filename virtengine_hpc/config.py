@@ -1,17 +1,20 @@
 """Typed configuration: the seed's ``hpc:`` and ``routing:`` sections plus ``temporal:``, ``chain:`` and ``provider:``.
 
-One YAML file, overridden by environment variables ``VIRTENGINE_HPC__SECTION__KEY`` (``__`` nests; values parse as
-YAML scalars), validated into frozen pydantic models. Durations are written ``500ms``, ``15s``, ``5m``, ``24h``,
-``1h30m`` or as plain seconds. Errors name the bad key and say why.
+One YAML file, overridden by environment variables ``VIRTENGINE_HPC__SECTION__KEY`` (``__`` nests; a scalar
+value is converted by the key's type, mappings and lists are YAML), validated into frozen pydantic models.
+Durations are written ``500ms``, ``15s``, ``5m``, ``24h``, ``1h30m`` or as plain seconds. Errors name the bad key
+and say why; the reference of every key is ``docs/configuration.md``, generated from these models by
+``scripts/gen-config-doc.py``.
 
 Credentials never come from the file (DESIGN.md invariant 8): they are read only from ``SLURM_JWT_TOKEN``,
-``MOAB_USERNAME``, ``MOAB_PASSWORD``, ``OOD_OIDC_CLIENT_SECRET`` and ``PROVIDER_SIGNING_KEY_PATH``, and a file that holds
-a credential-like key is refused. Only worker-side code reads configuration; workflows get what they need in their
-input.
+``MOAB_USERNAME``, ``MOAB_PASSWORD``, ``OOD_OIDC_CLIENT_SECRET`` and ``PROVIDER_SIGNING_KEY_PATH``, and a
+configuration (file or override) that holds a credential-like key at any depth is refused. Only worker-side
+code reads configuration; workflows get what they need in their input.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from collections.abc import Mapping
@@ -20,12 +23,23 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, SecretStr, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    SecretStr,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 from pydantic import ValidationError as PydanticValidationError
 
 from virtengine_hpc.errors import ConfigError
 
 ENV_PREFIX = "VIRTENGINE_HPC__"
+MAX_DURATION_SECONDS = 10 * 365 * 86400
+"""No setting needs a duration longer than ten years; a longer one is a typo (or would overflow ``timedelta``)."""
 _DURATION_PART = re.compile(r"(\d+(?:\.\d+)?)(ms|s|m|h|d)")
 _UNIT_SECONDS = {"ms": 0.001, "s": 1, "m": 60, "h": 3600, "d": 86400}
 # Keys that look like credentials; a config file holding one is refused.
@@ -42,11 +56,11 @@ def parse_duration(value: Any) -> timedelta:
     if isinstance(value, int | float):
         if value < 0:
             raise ValueError("a duration must not be negative")
-        return timedelta(seconds=value)
+        return _seconds(value, value)
     if isinstance(value, str):
         text = value.strip().lower()
         if re.fullmatch(r"\d+(\.\d+)?", text):
-            return timedelta(seconds=float(text))
+            return _seconds(float(text), value)
         pos, total = 0, 0.0
         for match in _DURATION_PART.finditer(text):
             if match.start() != pos:
@@ -54,8 +68,21 @@ def parse_duration(value: Any) -> timedelta:
             total += float(match.group(1)) * _UNIT_SECONDS[match.group(2)]
             pos = match.end()
         if pos == len(text) and pos > 0:
-            return timedelta(seconds=total)
-    raise ValueError(f"invalid duration {value!r} (use e.g. 500ms, 15s, 5m, 24h or 1h30m)")
+            return _seconds(total, value)
+    raise ValueError(f"invalid duration {_shown(value)} (use e.g. 500ms, 15s, 5m, 24h or 1h30m)")
+
+
+def _seconds(seconds: float, given: Any) -> timedelta:
+    # timedelta raises OverflowError (not ValueError) for inf, nan and huge numbers; pydantic would let that
+    # escape as a crash instead of naming the key.
+    if not math.isfinite(seconds) or seconds > MAX_DURATION_SECONDS:
+        raise ValueError(f"invalid duration {_shown(given)} (at most {MAX_DURATION_SECONDS // 86400} days)")
+    return timedelta(seconds=seconds)
+
+
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 Duration = Annotated[timedelta, BeforeValidator(parse_duration)]
@@ -64,8 +91,19 @@ Duration = Annotated[timedelta, BeforeValidator(parse_duration)]
 class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_bool_for_numbers(cls, value: Any, info: ValidationInfo) -> Any:
+        # pydantic reads true as 1: `max_concurrent_jobs: yes` would silently mean one job at a time.
+        field = cls.model_fields.get(info.field_name or "")
+        if isinstance(value, bool) and field is not None and field.annotation in (int, float):
+            raise ValueError("must be a number, not true/false")
+        return value
+
 
 class JobServiceConfig(Section):
+    """How jobs are taken from the chain and how long they may take (seed: ``hpc.job_service``)."""
+
     job_poll_interval: Duration = Field(timedelta(seconds=15), description="How often the chain is polled.")
     job_timeout_default: Duration = Field(
         timedelta(hours=24), description="Longest a job may take end to end when its own walltime is unknown."
@@ -88,7 +126,11 @@ class JobServiceConfig(Section):
 
 
 class UsageReportingConfig(Section):
-    enabled: bool = True
+    """Signed usage records and final accounting (seed: ``hpc.usage_reporting``)."""
+
+    enabled: bool = Field(
+        True, description="Emit signed usage records while jobs run and final accounting when they end."
+    )
     report_interval: Duration = Field(timedelta(minutes=5), description="Period of signed usage records.")
     batch_size: int = Field(50, ge=1, le=10_000, description="Usage records per chain submission.")
     retry_on_failure: bool = Field(
@@ -97,81 +139,165 @@ class UsageReportingConfig(Section):
 
 
 class RetryConfig(Section):
-    max_retries: int = Field(3, ge=0, le=100)
-    initial_backoff: Duration = timedelta(seconds=1)
-    max_backoff: Duration = timedelta(seconds=30)
-    backoff_multiplier: float = Field(2.0, ge=1.0, le=10.0)
+    """Retry policy of the job workflow's activities (scheduler and chain calls)."""
+
+    max_retries: int = Field(
+        3,
+        ge=0,
+        le=100,
+        description="Retries of a failed activity (scheduler or chain call) before the error is final.",
+    )
+    initial_backoff: Duration = Field(timedelta(seconds=1), description="Wait before the first retry.")
+    max_backoff: Duration = Field(timedelta(seconds=30), description="Longest wait between two retries.")
+    backoff_multiplier: float = Field(
+        2.0, ge=1.0, le=10.0, description="Each wait is the previous one times this, up to max_backoff."
+    )
 
 
 class AuditConfig(Section):
-    enabled: bool = True
-    log_path: Path = Path("/var/log/virtengine/hpc-audit.log")
-    log_job_events: bool = True
-    log_security_events: bool = True
-    log_usage_reports: bool = True
+    """The append-only, hash-chained audit log and which event categories it records."""
+
+    enabled: bool = Field(True, description="Write the hash-chained audit log; false writes nothing at all.")
+    log_path: Path = Field(
+        Path("/var/log/virtengine/hpc-audit.log"),
+        description="The audit log file (JSON lines); its directory is created.",
+    )
+    log_job_events: bool = Field(
+        True,
+        description="Record job events (submitted, lifecycle, validation and submission failures, status).",
+    )
+    log_security_events: bool = Field(
+        True,
+        description="Record security, routing and node events (routing violations, bad signatures, rejected heartbeats).",
+    )
+    log_usage_reports: bool = Field(True, description="Record usage, accounting and settlement events.")
 
 
 class SlurmConfig(Section):
-    cluster_name: str = Field("virtengine-hpc", pattern=r"^[A-Za-z0-9_.-]{1,64}$")
-    controller_host: str = Field("localhost", pattern=r"^[A-Za-z0-9_.:-]{1,253}$")
-    controller_port: int = Field(6817, ge=1, le=65535)
-    auth_method: Literal["munge", "jwt"] = "munge"
+    """SLURM: transports cli (local commands), ssh, rest (slurmrestd + JWT) or pyslurm."""
+
+    cluster_name: str = Field(
+        "virtengine-hpc",
+        pattern=r"^[A-Za-z0-9_.-]{1,64}$",
+        description="The SLURM cluster name (ClusterName in slurm.conf).",
+    )
+    controller_host: str = Field(
+        "localhost",
+        pattern=r"^[A-Za-z0-9_.:-]{1,253}$",
+        description="Host of slurmctld (and of slurmrestd unless rest_url says otherwise).",
+    )
+    controller_port: int = Field(6817, ge=1, le=65535, description="slurmctld port.")
+    auth_method: Literal["munge", "jwt"] = Field(
+        "munge",
+        description="munge (commands run as a munge-authenticated user) or jwt (slurmrestd with the token from SLURM_JWT_TOKEN).",
+    )
     transport: Literal["cli", "ssh", "rest", "pyslurm"] | None = Field(
         None,
         description="cli (local commands), ssh (commands over SSH), rest (slurmrestd), pyslurm. "
         "Default: rest for jwt auth, cli for munge.",
     )
-    default_partition: str = Field("default", pattern=r"^[A-Za-z0-9_.-]{1,64}$")
-    job_poll_interval: Duration = timedelta(seconds=10)
-    connection_timeout: Duration = timedelta(seconds=30)
-    max_retries: int = Field(3, ge=0, le=100)
+    default_partition: str = Field(
+        "default", pattern=r"^[A-Za-z0-9_.-]{1,64}$", description="Partition for jobs that name none."
+    )
+    job_poll_interval: Duration = Field(
+        timedelta(seconds=10),
+        description="How often the status of all of the cluster's active jobs is fetched (one query per interval).",
+    )
+    connection_timeout: Duration = Field(
+        timedelta(seconds=30), description="Longest wait for one scheduler command or request."
+    )
+    max_retries: int = Field(
+        3, ge=0, le=100, description="Retries of a transient scheduler failure inside one adapter call."
+    )
     slurm_conf: Path | None = Field(None, description="SLURM_CONF for the commands (cli transport).")
     rest_url: str | None = Field(
         None, description="slurmrestd base URL; default http://controller_host:6820."
     )
     rest_user: str = Field("root", pattern=r"^[a-z_][a-z0-9_-]{0,31}$", description="X-SLURM-USER-NAME.")
-    api_version: str = Field("v0.0.38", pattern=r"^v\d+\.\d+\.\d+$")
-    ssh_host: str | None = Field(None, pattern=r"^[A-Za-z0-9_.:-]{1,253}$")
-    ssh_port: int = Field(22, ge=1, le=65535)
-    ssh_user: str | None = Field(None, pattern=r"^[a-z_][a-z0-9_-]{0,31}$")
-    ssh_key_path: Path | None = None
-    known_hosts_path: Path | None = None
+    api_version: str = Field(
+        "v0.0.38", pattern=r"^v\d+\.\d+\.\d+$", description="slurmrestd API version in the URL path."
+    )
+    ssh_host: str | None = Field(
+        None, pattern=r"^[A-Za-z0-9_.:-]{1,253}$", description="Login host for the ssh transport."
+    )
+    ssh_port: int = Field(22, ge=1, le=65535, description="SSH port of ssh_host.")
+    ssh_user: str | None = Field(
+        None, pattern=r"^[a-z_][a-z0-9_-]{0,31}$", description="Account on ssh_host that submits the jobs."
+    )
+    ssh_key_path: Path | None = Field(None, description="Private key file for ssh_user (never a password).")
+    known_hosts_path: Path | None = Field(
+        None, description="known_hosts file used to check the host key; default ~/.ssh/known_hosts."
+    )
     remote_env: dict[str, str] = Field(default_factory=dict, description="Environment for remote commands.")
     work_dir: Path | None = Field(None, description="Default working directory of jobs on the cluster.")
 
 
 class MoabConfig(Section):
-    server: str = Field("localhost", pattern=r"^[A-Za-z0-9_.:-]{1,253}$")
-    port: int = Field(42559, ge=1, le=65535)
-    transport: Literal["ssh", "rest"] = "ssh"
-    mws_url: str | None = None
-    ssh_host: str | None = None
-    ssh_port: int = Field(22, ge=1, le=65535)
-    ssh_user: str | None = None
-    ssh_key_path: Path | None = None
-    known_hosts_path: Path | None = None
-    default_queue: str = Field("batch", pattern=r"^[A-Za-z0-9_.-]{1,64}$")
-    job_poll_interval: Duration = timedelta(seconds=10)
-    connection_timeout: Duration = timedelta(seconds=30)
-    max_retries: int = Field(3, ge=0, le=100)
+    """MOAB: commands over SSH or MOAB Web Services."""
+
+    server: str = Field(
+        "localhost", pattern=r"^[A-Za-z0-9_.:-]{1,253}$", description="Host of the MOAB server."
+    )
+    port: int = Field(42559, ge=1, le=65535, description="MOAB server port.")
+    transport: Literal["ssh", "rest"] = Field(
+        "ssh", description="ssh (msub, checkjob, showq, mjobctl over SSH) or rest (MOAB Web Services)."
+    )
+    mws_url: str | None = Field(
+        None,
+        description="MOAB Web Services base URL (rest transport); credentials come from MOAB_USERNAME / MOAB_PASSWORD.",
+    )
+    ssh_host: str | None = Field(None, description="Login host for the ssh transport.")
+    ssh_port: int = Field(22, ge=1, le=65535, description="SSH port of ssh_host.")
+    ssh_user: str | None = Field(None, description="Account on ssh_host that submits the jobs.")
+    ssh_key_path: Path | None = Field(None, description="Private key file for ssh_user (never a password).")
+    known_hosts_path: Path | None = Field(
+        None, description="known_hosts file used to check the host key; default ~/.ssh/known_hosts."
+    )
+    default_queue: str = Field(
+        "batch", pattern=r"^[A-Za-z0-9_.-]{1,64}$", description="Queue (class) for jobs that name none."
+    )
+    job_poll_interval: Duration = Field(
+        timedelta(seconds=10),
+        description="How often the status of all of the cluster's active jobs is fetched (one query per interval).",
+    )
+    connection_timeout: Duration = Field(
+        timedelta(seconds=30), description="Longest wait for one scheduler command or request."
+    )
+    max_retries: int = Field(
+        3, ge=0, le=100, description="Retries of a transient scheduler failure inside one adapter call."
+    )
 
 
 class OODConfig(Section):
-    dashboard_url: str | None = None
-    oidc_token_url: str | None = None
-    oidc_client_id: str | None = None
-    underlying_scheduler: Literal["slurm", "moab", "local"] = "slurm"
+    """Open OnDemand: OIDC client credentials, submission through the cluster's own scheduler."""
+
+    dashboard_url: str | None = Field(None, description="Open OnDemand dashboard base URL.")
+    oidc_token_url: str | None = Field(
+        None,
+        description="OIDC token endpoint for the client-credentials grant (secret from OOD_OIDC_CLIENT_SECRET).",
+    )
+    oidc_client_id: str | None = Field(None, description="OIDC client id (not a secret).")
+    underlying_scheduler: Literal["slurm", "moab", "local"] = Field(
+        "slurm", description="The scheduler OOD submits to on this cluster."
+    )
     user_mapping: dict[str, str] = Field(default_factory=dict, description="Tenant address -> cluster user.")
-    job_poll_interval: Duration = timedelta(seconds=10)
-    connection_timeout: Duration = timedelta(seconds=30)
+    job_poll_interval: Duration = Field(
+        timedelta(seconds=10),
+        description="How often the status of all of the cluster's active jobs is fetched (one query per interval).",
+    )
+    connection_timeout: Duration = Field(timedelta(seconds=30), description="Longest wait for one request.")
 
 
 class LocalSchedulerConfig(Section):
     """The embedded local executor: runs batch scripts as process groups on this host."""
 
     state_dir: Path | None = Field(None, description="Default: <state_store_path>/local-jobs.")
-    max_parallel_jobs: int = Field(64, ge=1, le=10_000)
-    job_poll_interval: Duration = timedelta(seconds=2)
+    max_parallel_jobs: int = Field(
+        64, ge=1, le=10_000, description="Jobs running at once; the rest wait in the local queue."
+    )
+    job_poll_interval: Duration = Field(
+        timedelta(seconds=2), description="How often the status of all local jobs is read."
+    )
     kill_wait: Duration = Field(
         timedelta(seconds=10),
         description="Grace between SIGTERM and SIGKILL when a job hits its walltime or is cancelled "
@@ -186,9 +312,21 @@ class LocalSchedulerConfig(Section):
 
 
 class HPCConfig(Section):
-    enabled: bool = True
-    scheduler_type: Literal["slurm", "moab", "ood", "local"] = "local"
-    cluster_id: str = Field("local-cluster", pattern=r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
+    """The seed's ``hpc:`` section: which cluster this worker serves and with which scheduler."""
+
+    enabled: bool = Field(
+        True,
+        description="Kept so the seed's configuration files load; running a worker is what turns the HPC integration on.",
+    )
+    scheduler_type: Literal["slurm", "moab", "ood", "local"] = Field(
+        "local",
+        description="Which scheduler adapter runs this cluster's jobs: slurm, moab, ood or local (the embedded executor).",
+    )
+    cluster_id: str = Field(
+        "local-cluster",
+        pattern=r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$",
+        description="This cluster's id on chain; the worker serves it and takes only its jobs.",
+    )
     job_service: JobServiceConfig = Field(default_factory=JobServiceConfig)
     usage_reporting: UsageReportingConfig = Field(default_factory=UsageReportingConfig)
     retry: RetryConfig = Field(default_factory=RetryConfig)
@@ -207,34 +345,69 @@ class HPCConfig(Section):
 
 
 class RoutingConfig(Section):
-    enforcement_mode: Literal["strict", "permissive", "audit_only"] = "strict"
-    require_decision_for_submission: bool = True
-    allow_automatic_fallback: bool = False
-    decision_max_age_blocks: int = Field(100, ge=1)
-    decision_max_age: Duration = timedelta(seconds=600)
+    """Routing enforcement against the on-chain scheduling decision (``docs/routing.md``)."""
+
+    enforcement_mode: Literal["strict", "permissive", "audit_only"] = Field(
+        "strict",
+        description="strict (fail closed), permissive (re-schedule and fall back, logged) or audit_only (log, enforce nothing); see docs/routing.md.",
+    )
+    require_decision_for_submission: bool = Field(
+        True, description="In strict mode, reject a job that has no scheduling decision on chain."
+    )
+    allow_automatic_fallback: bool = Field(
+        False,
+        description="In strict mode, accept fallback decisions (with a reason) and run a job decided for an unserved or unavailable cluster on this one.",
+    )
+    decision_max_age_blocks: int = Field(
+        100, ge=1, description="A decision more than this many blocks old is stale."
+    )
+    decision_max_age: Duration = Field(
+        timedelta(seconds=600),
+        description="A decision older than this is stale (whichever limit is reached first).",
+    )
 
 
 class TemporalConfig(Section):
-    address: str = "127.0.0.1:7233"
-    namespace: str = "default"
-    task_queue: str = Field("virtengine-hpc", pattern=r"^[A-Za-z0-9._-]{1,200}$")
-    tls: bool = False
-    tls_server_ca_cert: Path | None = None
-    tls_client_cert: Path | None = None
-    tls_client_key: Path | None = None
+    """Where the workers find Temporal. An API key, if any, comes from the variable named in api_key_env."""
+
+    address: str = Field("127.0.0.1:7233", description="Temporal frontend host:port.")
+    namespace: str = Field("default", description="Temporal namespace.")
+    task_queue: str = Field(
+        "virtengine-hpc",
+        pattern=r"^[A-Za-z0-9._-]{1,200}$",
+        description="Prefix of the task queues; the worker of a cluster polls <task_queue>.<cluster_id>.",
+    )
+    tls: bool = Field(False, description="Connect with TLS (implied by tls_client_cert).")
+    tls_server_ca_cert: Path | None = Field(
+        None, description="CA certificate (PEM) that signed the server's certificate."
+    )
+    tls_client_cert: Path | None = Field(None, description="Client certificate (PEM) for mutual TLS.")
+    tls_client_key: Path | None = Field(None, description="Private key (PEM file) of tls_client_cert.")
     api_key_env: str | None = Field(None, description="Name of the environment variable holding an API key.")
 
 
 class ChainConfig(Section):
-    type: Literal["local"] = "local"
+    """The chain client."""
+
+    type: Literal["local"] = Field(
+        "local", description="Chain client: local (the embedded LocalLedger, docs/ledger.md)."
+    )
     ledger_path: Path | None = Field(
         None, description="LocalLedger SQLite file; default <state_store_path>/ledger.db"
     )
-    seconds_per_block: float = Field(6.0, gt=0)
+    seconds_per_block: float = Field(
+        6.0, gt=0, description="Block time of a new LocalLedger file (an existing file keeps its own)."
+    )
 
 
 class ProviderConfig(Section):
-    address: str = Field("virtengine1provider0local", pattern=r"^[A-Za-z0-9_.-]{1,128}$")
+    """Who this provider is on chain."""
+
+    address: str = Field(
+        "virtengine1provider0local",
+        pattern=r"^[A-Za-z0-9_.-]{1,128}$",
+        description="The provider's account on chain; only its jobs are taken.",
+    )
 
 
 class NodesConfig(Section):
@@ -274,6 +447,8 @@ class NodesConfig(Section):
 
 
 class Config(Section):
+    """The whole configuration file."""
+
     hpc: HPCConfig = Field(default_factory=HPCConfig)
     routing: RoutingConfig = Field(default_factory=RoutingConfig)
     temporal: TemporalConfig = Field(default_factory=TemporalConfig)
@@ -330,17 +505,29 @@ class Secrets(BaseModel):
         )
 
 
+SECRET_ENV_VARS = (
+    "SLURM_JWT_TOKEN",
+    "MOAB_USERNAME",
+    "MOAB_PASSWORD",
+    "OOD_OIDC_CLIENT_SECRET",
+    "PROVIDER_SIGNING_KEY_PATH",
+)
+
+
 def _refuse_secrets(data: Any, path: str = "") -> None:
+    """Refuse a credential-like key at any depth (inside lists too); the message names the key, never the value."""
     if isinstance(data, Mapping):
         for key, value in data.items():
             where = f"{path}.{key}" if path else str(key)
             if isinstance(key, str) and _SECRET_KEY.search(key) and key not in _ALLOWED_SECRETISH:
                 raise ConfigError(
-                    f"{where}: credentials are not allowed in the config file; set them in the environment "
-                    "(SLURM_JWT_TOKEN, MOAB_USERNAME, MOAB_PASSWORD, OOD_OIDC_CLIENT_SECRET, "
-                    "PROVIDER_SIGNING_KEY_PATH)"
+                    f"{where}: credentials are not allowed in the configuration; set them in the environment "
+                    f"({', '.join(SECRET_ENV_VARS)})"
                 )
             _refuse_secrets(value, where)
+    elif isinstance(data, list | tuple):
+        for index, item in enumerate(data):
+            _refuse_secrets(item, f"{path}[{index}]")
 
 
 def _env_overrides(env: Mapping[str, str]) -> dict[str, Any]:
@@ -356,12 +543,28 @@ def _env_overrides(env: Mapping[str, str]) -> dict[str, Any]:
             node = node.setdefault(part, {})
             if not isinstance(node, dict):
                 raise ConfigError(f"{name}: conflicts with another override")
-        try:
-            value = yaml.safe_load(raw) if raw.strip() else ""
-        except yaml.YAMLError:
-            value = raw
-        node[parts[-1]] = value
+        if isinstance(node.get(parts[-1]), dict):
+            raise ConfigError(f"{name}: conflicts with another override")
+        node[parts[-1]] = _env_value(raw)
     return tree
+
+
+def _env_value(raw: str) -> Any:
+    """An override's value: YAML for mappings, lists, null and quoted strings; any other scalar stays text.
+
+    YAML would read ``0123`` as the number 83, ``no`` as false and ``1:30`` as 90; handing such scalars over as
+    text lets the key's own type decide (``0123`` stays a cluster id, becomes 123 for a number), exactly as
+    pydantic converts them.
+    """
+    if not raw.strip():
+        return ""
+    try:
+        value = yaml.safe_load(raw)
+    except yaml.YAMLError:
+        return raw
+    if value is None or isinstance(value, str | dict | list):
+        return value
+    return raw.strip()
 
 
 def _merge(base: dict[str, Any], override: Mapping[str, Any]) -> dict[str, Any]:
@@ -372,6 +575,30 @@ def _merge(base: dict[str, Any], override: Mapping[str, Any]) -> dict[str, Any]:
         else:
             out[key] = value
     return out
+
+
+def _empty_sections_as_defaults(data: Any, model: type[BaseModel]) -> Any:
+    """A section whose keys are all commented out (``routing:`` and nothing under it) is YAML null: read it as
+    an empty section with every default, not as a type error."""
+    if not isinstance(data, Mapping):
+        return data
+    out: dict[Any, Any] = {}
+    for key, value in data.items():
+        field = model.model_fields.get(key) if isinstance(key, str) else None
+        sub = field.annotation if field is not None else None
+        if isinstance(sub, type) and issubclass(sub, Section):
+            if value is None:
+                continue
+            value = _empty_sections_as_defaults(value, sub)
+        out[key] = value
+    return out
+
+
+def _yaml_problem(exc: yaml.YAMLError) -> str:
+    if isinstance(exc, yaml.MarkedYAMLError) and exc.problem_mark is not None:
+        mark = exc.problem_mark
+        return f"{exc.problem} (line {mark.line + 1}, column {mark.column + 1})"
+    return type(exc).__name__
 
 
 def _format_errors(err: PydanticValidationError) -> str:
@@ -399,17 +626,24 @@ def load_config(
     raw: Any = dict(data) if data is not None else {}
     if path is not None:
         try:
-            text = Path(path).read_text()
+            text = Path(path).read_text(encoding="utf-8")
         except OSError as exc:
-            raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from exc
+            raise ConfigError(f"cannot read config file {path}: {exc.strerror or exc}") from exc
+        except UnicodeDecodeError as exc:
+            raise ConfigError(f"config file {path} is not UTF-8 text: {exc.reason}") from exc
         try:
-            raw = yaml.safe_load(text) or {}
+            raw = yaml.safe_load(text)
         except yaml.YAMLError as exc:
-            raise ConfigError(f"config file {path} is not valid YAML: {exc}") from exc
+            # Not str(exc): PyYAML quotes the offending line, which may hold a credential.
+            raise ConfigError(f"config file {path} is not valid YAML: {_yaml_problem(exc)}") from None
+        if raw is None:  # an empty file (or only comments): every default
+            raw = {}
         if not isinstance(raw, Mapping):
             raise ConfigError(f"config file {path}: the top level must be a mapping of sections")
-        _refuse_secrets(raw)
-    merged = _merge(dict(raw), _env_overrides(env))
+    _refuse_secrets(raw)
+    overrides = _env_overrides(env)
+    _refuse_secrets(overrides)
+    merged = _empty_sections_as_defaults(_merge(dict(raw), overrides), Config)
     try:
         return Config.model_validate(merged)
     except PydanticValidationError as exc:
