@@ -8,6 +8,11 @@ third level) and can pretend jobs still run on a node for a number of checks.
 from __future__ import annotations
 
 import asyncio
+import json
+import signal
+import socket
+import subprocess
+import sys
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
@@ -18,6 +23,8 @@ from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
+import httpx
+import yaml
 from temporalio.client import Client
 from temporalio.worker import Worker
 
@@ -220,3 +227,174 @@ class SimulatedNode:
             latency=[LatencySample(target="node-002", latency_us=180, probes=3, lost=0)],
         )
         return sign_document(body, HEARTBEAT_DOMAIN, self.signer)
+
+
+# --- real processes: the node API, hpc-node-agent, the nodes CLI -------------------------------------
+
+CLUSTER = "e2e-cluster"
+E2E_PROVIDER = "virtengine1provider0e2e"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class Provider:
+    """The provider's side: config file, node API process, CLI runs."""
+
+    def __init__(self, tmp_path: Path, temporal_address: str) -> None:
+        self.port = free_port()
+        self.dir = tmp_path
+        self.task_queue_prefix = f"e2e-{uuid.uuid4().hex[:8]}"
+        self.config_path = tmp_path / "provider.yaml"
+        self.config_path.write_text(
+            yaml.safe_dump(
+                {
+                    "hpc": {
+                        "cluster_id": CLUSTER,
+                        "job_service": {"state_store_path": str(tmp_path / "state")},
+                        "audit": {"log_path": str(tmp_path / "audit.log")},
+                    },
+                    "temporal": {"address": temporal_address, "task_queue": self.task_queue_prefix},
+                    "provider": {"address": E2E_PROVIDER},
+                    "nodes": {
+                        "listen_port": self.port,
+                        "stale_after": "3s",
+                        "offline_after": "6s",
+                        "metadata_interval": "2s",
+                        "drain_poll_interval": "500ms",
+                        "audit_rate_window": "0s",
+                    },
+                }
+            )
+        )
+        self.api: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def task_queue(self) -> str:
+        return f"{self.task_queue_prefix}.{CLUSTER}"
+
+    @property
+    def ledger_path(self) -> Path:
+        return self.dir / "state" / "ledger.db"
+
+    @property
+    def audit_path(self) -> Path:
+        return self.dir / "audit.log"
+
+    def start_api(self) -> None:
+        log = open(self.dir / "node-api.log", "wb")  # noqa: SIM115 - the child keeps it
+        self.api = subprocess.Popen(
+            [sys.executable, "-m", "workers.node_api", "--config", str(self.config_path)],
+            stdout=log,
+            stderr=log,
+        )
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(f"{self.url}/healthz", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                time.sleep(0.1)
+        raise AssertionError("node API did not come up: " + (self.dir / "node-api.log").read_text())
+
+    async def cli(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+        """Run ``virtengine-hpc nodes ...`` without blocking the event loop (the test's worker runs in it)."""
+        done = await asyncio.to_thread(
+            subprocess.run,
+            [sys.executable, "-m", "virtengine_hpc", "--config", str(self.config_path), "nodes", *args],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        if check and done.returncode != 0:
+            raise AssertionError(f"nodes {' '.join(args)} failed: {done.stdout}\n{done.stderr}")
+        return done
+
+    def stop(self) -> None:
+        if self.api is not None:
+            self.api.terminate()
+            self.api.wait(10)
+
+
+class Agent:
+    """One ``hpc-node-agent`` with its own key and config."""
+
+    def __init__(self, tmp_path: Path, node_id: str, provider: Provider) -> None:
+        self.node_id = node_id
+        self.dir = tmp_path / node_id
+        self.dir.mkdir()
+        self.key_file = self.dir / "agent.key"
+        self.config_path = self.dir / "hpc-node-agent.yaml"
+        self.config_path.write_text(
+            yaml.safe_dump(
+                {
+                    "node-id": node_id,
+                    "cluster-id": CLUSTER,
+                    "provider-address": E2E_PROVIDER,
+                    "provider-daemon-url": provider.url,
+                    "heartbeat-interval": "500ms",
+                    "key-file": str(self.key_file),
+                    "region": "us-east-1",
+                    "datacenter": "dc1",
+                    "zone": "a",
+                    "rack": "rack-7",
+                    "row": "row-2",
+                    "position": "u14",
+                    "latency-targets": [f"127.0.0.1:{provider.port}"],
+                    "log-level": "info",
+                }
+            )
+        )
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    async def run(self, *args: str) -> subprocess.CompletedProcess[str]:
+        return await asyncio.to_thread(
+            subprocess.run,
+            [sys.executable, "-m", "virtengine_hpc.node.cli", *args],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+
+    async def init(self) -> str:
+        done = await self.run("init", "--key-file", str(self.key_file))
+        assert done.returncode == 0, done.stderr
+        assert (self.key_file.stat().st_mode & 0o777) == 0o600
+        return done.stdout.strip()
+
+    def start(self) -> None:
+        log = open(self.dir / "agent.log", "ab")  # noqa: SIM115 - the child keeps it
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "virtengine_hpc.node.cli", "start", "--config", str(self.config_path)],
+            stdout=log,
+            stderr=log,
+        )
+
+    def kill(self) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(10)
+        self.proc = None
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+
+    def sequence(self) -> int:
+        return int((self.dir / "agent.key.seq").read_text())
+
+    async def status(self) -> dict[str, Any]:
+        done = await self.run("status", "--config", str(self.config_path))
+        assert done.returncode == 0, done.stderr
+        return json.loads(done.stdout)
