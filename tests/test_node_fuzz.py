@@ -11,8 +11,8 @@ import asyncio
 from pathlib import Path
 
 import schemathesis
-from schemathesis.core.result import Ok
 from hypothesis import HealthCheck, given, settings
+from schemathesis.core.result import Ok
 from temporalio.testing import WorkflowEnvironment
 
 from tests.node_support import Provider
