@@ -9,6 +9,7 @@ report them.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Awaitable, Callable, Mapping
 from datetime import UTC, datetime, timedelta
@@ -61,11 +62,21 @@ def to_application_error(exc: HPCError) -> ApplicationError:
     return ApplicationError(str(exc), details, type=type(exc).__name__, non_retryable=not exc.transient)
 
 
-async def _translated(call: Awaitable[T]) -> T:
-    try:
-        return await call
-    except HPCError as exc:
-        raise to_application_error(exc) from None
+HEARTBEAT_EVERY = 2.0
+
+
+async def heartbeating(call: Awaitable[T]) -> T:
+    """Await ``call`` while heartbeating, so a dead worker is noticed in seconds, not at start-to-close.
+
+    Short activities (submit, cancel, usage) have a heartbeat timeout of a few seconds: when the worker running
+    them is killed, Temporal retries them on another worker almost at once (the retried submit adopts the job).
+    """
+    task = asyncio.ensure_future(call)
+    while True:
+        done, _ = await asyncio.wait({task}, timeout=HEARTBEAT_EVERY)
+        if done:
+            return task.result()
+        activity.heartbeat()
 
 
 class JobActivities:
@@ -237,7 +248,7 @@ class JobActivities:
     @activity.defn(name="cancel_job")
     async def cancel_job(self, request: CancelInput) -> None:
         try:
-            await self.adapter(request.cluster_id).cancel(request.scheduler_job_id)
+            await heartbeating(self.adapter(request.cluster_id).cancel(request.scheduler_job_id))
         except HPCError as exc:
             self.audit.record(
                 "job_cancellation_failed",
@@ -316,7 +327,7 @@ class JobActivities:
                 record = existing
                 cumulative = _add(request.previous_cumulative, record)
             else:
-                record, cumulative = await self._new_record(request, rid)
+                record, cumulative = await heartbeating(self._new_record(request, rid))
                 result = await self.chain.submit_usage([record])
                 if rid not in result.accepted and rid not in result.duplicates:
                     raise ChainError(f"chain did not take usage record {rid}", transient=True)

@@ -29,6 +29,7 @@ from pydantic import (
     ConfigDict,
     Field,
     SecretStr,
+    TypeAdapter,
     ValidationInfo,
     field_validator,
     model_validator,
@@ -57,6 +58,12 @@ def parse_duration(value: Any) -> timedelta:
         if value < 0:
             raise ValueError("a duration must not be negative")
         return _seconds(value, value)
+    if isinstance(value, str) and value.strip().upper().startswith("P"):
+        # ISO 8601 (``PT15S``): how a dumped config writes durations, so configs round-trip through JSON.
+        try:
+            return _ISO_DURATION.validate_python(value.strip())
+        except PydanticValidationError:
+            pass
     if isinstance(value, str):
         text = value.strip().lower()
         if re.fullmatch(r"\d+(\.\d+)?", text):
@@ -85,6 +92,7 @@ def _shown(value: Any) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
+_ISO_DURATION = TypeAdapter(timedelta)
 Duration = Annotated[timedelta, BeforeValidator(parse_duration)]
 
 

@@ -46,6 +46,8 @@ SA_TENANT = SearchAttributeKey.for_keyword("VeTenant")
 SA_TEMPLATE = SearchAttributeKey.for_keyword("VeTemplate")
 SEARCH_ATTRIBUTES = (SA_STATE, SA_CLUSTER, SA_SCHEDULER_JOB, SA_TENANT, SA_TEMPLATE)
 
+# Short activities heartbeat every 2 s while they wait on the scheduler; a dead worker is noticed within this.
+SHORT_HEARTBEAT = timedelta(seconds=10)
 _NON_RETRYABLE = [
     "ValidationError",
     "ConfigError",
@@ -169,7 +171,8 @@ class HPCJobWorkflow:
                     body=outcome.body,
                     max_attempts=self.settings.retry.max_retries + 1,
                 ),
-                start_to_close_timeout=timedelta(seconds=120),
+                start_to_close_timeout=timedelta(seconds=300),
+                heartbeat_timeout=SHORT_HEARTBEAT,
                 retry_policy=self._retry(),
                 result_type=SubmitOutput,
             )
@@ -217,7 +220,7 @@ class HPCJobWorkflow:
             "watch_job",
             request,
             start_to_close_timeout=(return_by - now) + timedelta(seconds=4 * poll + 120),
-            heartbeat_timeout=timedelta(seconds=max(30.0, 4 * poll)),
+            heartbeat_timeout=timedelta(seconds=max(10.0, 4 * poll)),
             retry_policy=self._retry(unlimited=True),
             result_type=WatchOutput,
         )
@@ -320,7 +323,8 @@ class HPCJobWorkflow:
                     accept_partial=partial,
                     max_attempts=0 if unlimited else self.settings.retry.max_retries + 1,
                 ),
-                start_to_close_timeout=timedelta(seconds=120),
+                start_to_close_timeout=timedelta(seconds=300),
+                heartbeat_timeout=SHORT_HEARTBEAT,
                 retry_policy=self._retry(unlimited=unlimited),
                 result_type=UsageOutput,
             )
@@ -350,7 +354,8 @@ class HPCJobWorkflow:
                     scheduler_job_id=self.c.scheduler_job_id,
                     reason=reason,
                 ),
-                start_to_close_timeout=timedelta(seconds=60),
+                start_to_close_timeout=timedelta(seconds=120),
+                heartbeat_timeout=SHORT_HEARTBEAT,
                 retry_policy=self._retry(),
             )
         except ActivityError as err:
