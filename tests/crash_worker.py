@@ -12,6 +12,7 @@ import asyncio
 import os
 import signal
 from collections.abc import Iterable
+from pathlib import Path
 
 from activities.schedulers.base import Accounting, NativeStatus, SchedulerAdapter, SubmitRequest, SubmitResult
 from virtengine_hpc.config import Config, Secrets
@@ -61,5 +62,5 @@ if __name__ == "__main__":
     parser.add_argument("task_queue")
     parser.add_argument("--crash-after-submit")
     args = parser.parse_args()
-    cfg = Config.model_validate_json(open(args.config_json).read())
+    cfg = Config.model_validate_json(Path(args.config_json).read_text())
     asyncio.run(main(cfg, args.task_queue, args.crash_after_submit))
