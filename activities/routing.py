@@ -1,14 +1,20 @@
 """The routing enforcer: checks a job's placement against the on-chain scheduling decision.
 
-Modes (seed 001, DESIGN.md invariant 7):
+Modes (seed 001, DESIGN.md invariant 7); the full table of mode x violation -> outcome is ``docs/routing.md``:
 
 * ``strict`` fails closed: a missing (when ``require_decision_for_submission``), stale, mismatched, unavailable,
-  over-capacity or unauthorised-fallback decision rejects the job.
-* ``permissive`` asks the chain for a new decision when the decision is missing or stale, and falls back to another
-  cluster when the decided one is unavailable or full; every fallback is recorded with its reason. A decision that
-  is a fallback without a reason is an unauthorised fallback and is refused.
-* ``audit_only`` enforces nothing and logs everything: every violation is written, the job runs where this worker
-  runs it.
+  over-capacity or unauthorised-fallback decision rejects the job. ``allow_automatic_fallback`` lets it accept
+  fallback decisions that carry a reason and run a job decided for an unserved or unavailable cluster on this
+  worker's own cluster, as a recorded fallback.
+* ``permissive`` asks the chain for a new decision when the decision is missing or stale, and falls back to this
+  worker's cluster when the decided one is not served here, unavailable or full; every fallback is recorded with
+  its reason. A fallback decision without a reason is an unauthorised fallback and is refused.
+* ``audit_only`` enforces nothing and logs everything: it records every violation that ``strict`` with the same
+  switches would find, and the job runs on this worker's cluster.
+
+A job without a decision (strict with ``require_decision_for_submission: false``, audit_only, or permissive when
+the chain could not schedule it) is placed on this worker's cluster, which must still be registered, active and
+have room.
 
 Each violation writes one ``routing_violation`` audit record with its type and severity; the outcome writes
 ``routing_enforcement_passed`` or ``routing_enforcement_failed`` (+ ``job_routing_rejected``).
@@ -23,6 +29,7 @@ from datetime import UTC, datetime
 from activities.audit import AuditLog
 from activities.chain.client import ChainClient
 from virtengine_hpc.config import RoutingConfig
+from virtengine_hpc.errors import HPCError
 from virtengine_hpc.messages import Violation
 from virtengine_hpc.models import Cluster, JobSpec, SchedulingDecision
 
@@ -35,6 +42,7 @@ SEVERITY = {
     "unauthorized_fallback": 4,
 }
 STALE_ALLOWED_SEVERITY = 1
+"""A stale decision that the mode tolerates (permissive re-schedules it, audit_only logs it) is less severe."""
 
 CapacityProbe = Callable[[str], Awaitable[int | None]]
 """Returns the nodes a cluster can offer now (from node heartbeats), or None when nothing is known."""
@@ -42,6 +50,8 @@ CapacityProbe = Callable[[str], Awaitable[int | None]]
 
 @dataclass
 class RoutingResult:
+    """The enforcer's verdict: where the job runs (``cluster_id``), on which decision, and what was wrong."""
+
     accepted: bool
     cluster_id: str
     decision: SchedulingDecision | None = None
@@ -49,6 +59,14 @@ class RoutingResult:
     fallback_reason: str | None = None
     violations: list[Violation] = field(default_factory=list)
     message: str = ""
+
+
+class _Rejected(Exception):
+    """Internal: a check rejected the job; ``enforce`` turns it into a rejected ``RoutingResult``."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
 
 
 class RoutingEnforcer:
@@ -69,117 +87,156 @@ class RoutingEnforcer:
         self.capacity_probe = capacity_probe
         self.now = now
 
+    @property
+    def _enforcing(self) -> bool:
+        return self.config.enforcement_mode != "audit_only"
+
+    @property
+    def _fallback_allowed(self) -> bool:
+        """May a job run somewhere other than its decided cluster (and may a decision be a fallback)?"""
+        return self.config.enforcement_mode == "permissive" or self.config.allow_automatic_fallback
+
     async def enforce(self, job: JobSpec, local_cluster_id: str) -> RoutingResult:
-        mode = self.config.enforcement_mode
+        """Check ``job`` against its decision for a run on ``local_cluster_id`` (this worker's cluster).
+
+        Returns the verdict; never raises for a routing problem (the violations are in the result and the audit
+        log). A transient chain error propagates, so the activity retries instead of deciding on missing data.
+        """
         result = RoutingResult(accepted=True, cluster_id=local_cluster_id)
-        decision = await self.chain.get_decision(job.job_id)
-
-        if decision is None:
-            strict_blocks = mode == "strict" and self.config.require_decision_for_submission
-            self._violate(job, result, "missing_decision", "no scheduling decision on chain", decision)
-            self.audit.record("routing_decision_missing", job_id=job.job_id, success=not strict_blocks)
-            if strict_blocks:
-                return self._reject(job, result, "no scheduling decision for the job (strict mode)")
-            if mode == "permissive":
-                decision = await self._refresh(job, "missing decision")
-        elif self._is_stale(decision, await self.chain.current_height()):
-            age_blocks, age_seconds = await self._age(decision)
-            what = f"decision {decision.decision_id} is stale ({age_blocks} blocks, {age_seconds:.0f} s old)"
-            if mode == "strict":
-                self._violate(job, result, "stale_decision", what, decision)
-                return self._reject(job, result, what)
-            self._violate(job, result, "stale_decision", what, decision, severity=STALE_ALLOWED_SEVERITY)
-            if mode == "permissive":
-                refreshed = await self._refresh(job, "stale decision")
-                if refreshed is not None:
-                    decision = refreshed
-                else:
-                    self.audit.record(
-                        "routing_stale_decision_allowed", job_id=job.job_id, details={"reason": what}
-                    )
+        try:
+            decision = await self._usable_decision(job, result)
+            result.decision = decision
+            if decision is not None:
+                await self._check_decision(job, decision, result, local_cluster_id)
             else:
-                self.audit.record(
-                    "routing_stale_decision_allowed", job_id=job.job_id, details={"reason": what}
-                )
+                await self._check_placement(job, result, local_cluster_id)
+        except _Rejected as rejected:
+            return self._reject(job, result, rejected.message)
+        self._passed(job, result)
+        return result
 
-        result.decision = decision
-        if decision is not None:
-            rejected = await self._check_decision(job, decision, result, local_cluster_id)
-            if rejected:
-                return rejected
+    # ---- the decision: missing, stale, refreshed ---------------------------------------------------------------
 
-        if mode != "audit_only" and result.violations and not result.accepted:
-            return self._reject(job, result, result.message)
+    async def _usable_decision(self, job: JobSpec, result: RoutingResult) -> SchedulingDecision | None:
+        mode = self.config.enforcement_mode
+        decision = await self.chain.get_decision(job.job_id)
+        if decision is None:
+            blocks = mode == "strict" and self.config.require_decision_for_submission
+            self._violate(job, result, "missing_decision", "no scheduling decision on chain", None)
+            self.audit.record("routing_decision_missing", job_id=job.job_id, success=not blocks)
+            if blocks:
+                raise _Rejected("no scheduling decision for the job (strict mode)")
+            if mode == "permissive":
+                return await self._refresh(job, "missing decision")
+            return None
+
+        height = await self.chain.current_height()
+        age_blocks = height - decision.block_height
+        age_seconds = (self.now() - _aware(decision.created_at)).total_seconds()
+        if (
+            age_blocks <= self.config.decision_max_age_blocks
+            and age_seconds <= self.config.decision_max_age.total_seconds()
+        ):
+            return decision
+        what = f"decision {decision.decision_id} is stale ({age_blocks} blocks, {age_seconds:.0f} s old)"
+        if mode == "strict":
+            self._violate(job, result, "stale_decision", what, decision)
+            raise _Rejected(what)
+        self._violate(job, result, "stale_decision", what, decision, severity=STALE_ALLOWED_SEVERITY)
+        refreshed = await self._refresh(job, "stale decision") if mode == "permissive" else None
+        if refreshed is not None:
+            return refreshed
         self.audit.record(
-            "routing_enforcement_passed",
+            "routing_stale_decision_allowed",
             job_id=job.job_id,
-            cluster_id=result.cluster_id,
+            cluster_id=decision.selected_cluster_id,
             details={
-                "mode": mode,
-                "decision_id": decision.decision_id if decision else None,
-                "is_fallback": result.is_fallback,
-                "fallback_reason": result.fallback_reason,
-                "violations": [v.type for v in result.violations],
+                "reason": what,
+                "decision_id": decision.decision_id,
+                "age_blocks": age_blocks,
+                "age_seconds": round(age_seconds, 3),
             },
         )
-        if result.is_fallback:
+        return decision
+
+    async def _refresh(self, job: JobSpec, reason: str) -> SchedulingDecision | None:
+        """Ask the chain to schedule the job again (permissive). ``None`` when it refuses for good (no cluster
+        has room); a transient failure propagates so the activity retries."""
+        try:
+            decision = await self.chain.request_scheduling(job.job_id, reason)
+        except HPCError as exc:
+            if exc.transient:
+                raise
             self.audit.record(
-                "routing_fallback_used",
+                "routing_decision_refreshed",
                 job_id=job.job_id,
-                cluster_id=result.cluster_id,
-                details={
-                    "reason": result.fallback_reason,
-                    "decided": decision.selected_cluster_id if decision else None,
-                },
+                success=False,
+                error_msg=str(exc)[:300],
+                details={"reason": reason},
             )
-        return result
+            return None
+        self.audit.record(
+            "routing_decision_refreshed",
+            job_id=job.job_id,
+            cluster_id=decision.selected_cluster_id,
+            details={
+                "reason": reason,
+                "decision_id": decision.decision_id,
+                "block_height": decision.block_height,
+                "is_fallback": decision.is_fallback,
+                "fallback_reason": decision.fallback_reason,
+            },
+        )
+        return decision
+
+    # ---- the placement: fallback, mismatch, availability, capacity --------------------------------------------
 
     async def _check_decision(
         self, job: JobSpec, decision: SchedulingDecision, result: RoutingResult, local: str
-    ) -> RoutingResult | None:
-        mode = self.config.enforcement_mode
-        fallback_allowed = mode == "permissive" or self.config.allow_automatic_fallback
-
-        if decision.is_fallback and (not fallback_allowed or not decision.fallback_reason):
-            why = "without a recorded reason" if fallback_allowed else "while fallbacks are not allowed"
+    ) -> None:
+        if decision.is_fallback and (not self._fallback_allowed or not decision.fallback_reason):
+            why = "without a recorded reason" if self._fallback_allowed else "while fallbacks are not allowed"
             what = f"decision {decision.decision_id} is a fallback {why}"
             self._violate(job, result, "unauthorized_fallback", what, decision)
-            if mode != "audit_only":
-                return self._reject(job, result, what)
+            if self._enforcing:
+                raise _Rejected(what)
         elif decision.is_fallback:
-            result.is_fallback = True
-            result.fallback_reason = decision.fallback_reason
+            self._fall_back(result, decision.fallback_reason or "")
 
         target = decision.selected_cluster_id
         if target != local and target not in self.served:
             what = f"decision selects cluster {target}, this worker serves {local}"
             self._violate(job, result, "cluster_mismatch", what, decision)
-            if mode == "strict" and not self.config.allow_automatic_fallback:
-                return self._reject(job, result, what)
-            if mode != "audit_only":
-                result.is_fallback = True
-                result.fallback_reason = f"decided cluster {target} is not served here; fell back to {local}"
+            if self._enforcing and not self._fallback_allowed:
+                raise _Rejected(what)
+            if self._enforcing:
+                self._fall_back(result, f"decided cluster {target} is not served here; fell back to {local}")
             target = local
 
         problem = await self._placement_problem(job, target)
-        if problem and mode == "permissive" and target != local:
+        if problem is not None and target != local and self._enforcing and self._fallback_allowed:
             kind, what = problem
             self._violate(job, result, kind, what, decision)
-            local_problem = await self._placement_problem(job, local)
-            if local_problem is None:
-                result.is_fallback = True
-                result.fallback_reason = f"{what}; fell back to {local}"
-                problem = None
+            problem = await self._placement_problem(job, local)
+            if problem is None:
+                self._fall_back(result, f"{what}; fell back to {local}")
                 target = local
-            else:
-                problem = local_problem
-        if problem:
+        if problem is not None:
             kind, what = problem
             self._violate(job, result, kind, what, decision)
-            if mode != "audit_only":
-                return self._reject(job, result, what)
+            if self._enforcing:
+                raise _Rejected(what)
         result.cluster_id = target
-        return None
+
+    async def _check_placement(self, job: JobSpec, result: RoutingResult, cluster_id: str) -> None:
+        """No decision to follow: the job runs here, so this cluster must be registered, active and roomy."""
+        problem = await self._placement_problem(job, cluster_id)
+        if problem is not None:
+            kind, what = problem
+            self._violate(job, result, kind, what, None)
+            if self._enforcing:
+                raise _Rejected(what)
+        result.cluster_id = cluster_id
 
     async def _placement_problem(self, job: JobSpec, cluster_id: str) -> tuple[str, str] | None:
         cluster = await self.chain.get_cluster(cluster_id)
@@ -196,42 +253,21 @@ class RoutingEnforcer:
         return None
 
     async def _capacity(self, cluster: Cluster) -> int | None:
+        """Free nodes: the probe's live count (node heartbeats) first, else what the chain says when the
+        cluster reports its node totals, else unknown (no capacity check)."""
         if self.capacity_probe is not None:
             probed = await self.capacity_probe(cluster.cluster_id)
             if probed is not None:
                 return probed
         return cluster.available_nodes if cluster.total_nodes else None
 
-    def _is_stale(self, decision: SchedulingDecision, height: int) -> bool:
-        age_seconds = (self.now() - _aware(decision.created_at)).total_seconds()
-        return (
-            height - decision.block_height > self.config.decision_max_age_blocks
-            or age_seconds > self.config.decision_max_age.total_seconds()
-        )
+    # ---- outcomes and audit records -----------------------------------------------------------------------------
 
-    async def _age(self, decision: SchedulingDecision) -> tuple[int, float]:
-        height = await self.chain.current_height()
-        return height - decision.block_height, (self.now() - _aware(decision.created_at)).total_seconds()
-
-    async def _refresh(self, job: JobSpec, reason: str) -> SchedulingDecision | None:
-        try:
-            decision = await self.chain.request_scheduling(job.job_id, reason)
-        except Exception as exc:  # the chain could not schedule: keep going with what we have
-            self.audit.record(
-                "routing_decision_refreshed", job_id=job.job_id, success=False, error_msg=str(exc)[:300]
-            )
-            return None
-        self.audit.record(
-            "routing_decision_refreshed",
-            job_id=job.job_id,
-            cluster_id=decision.selected_cluster_id,
-            details={
-                "reason": reason,
-                "decision_id": decision.decision_id,
-                "block_height": decision.block_height,
-            },
-        )
-        return decision
+    @staticmethod
+    def _fall_back(result: RoutingResult, reason: str) -> None:
+        """Mark the run as a fallback; a second reason (the chain's fallback, then ours) is appended."""
+        result.is_fallback = True
+        result.fallback_reason = f"{result.fallback_reason}; {reason}" if result.fallback_reason else reason
 
     def _violate(
         self,
@@ -243,7 +279,9 @@ class RoutingEnforcer:
         *,
         severity: int | None = None,
     ) -> None:
-        violation = Violation(type=kind, severity=severity or SEVERITY[kind], message=message)
+        violation = Violation.model_validate(
+            {"type": kind, "severity": severity or SEVERITY[kind], "message": message}
+        )
         result.violations.append(violation)
         self.audit.record(
             "routing_violation",
@@ -255,10 +293,37 @@ class RoutingEnforcer:
             details={
                 "violation_type": kind,
                 "mode": self.config.enforcement_mode,
+                "enforced": self._enforcing,
                 "decision_id": decision.decision_id if decision else None,
                 "decision_block_height": decision.block_height if decision else None,
             },
         )
+
+    def _passed(self, job: JobSpec, result: RoutingResult) -> None:
+        decision = result.decision
+        self.audit.record(
+            "routing_enforcement_passed",
+            job_id=job.job_id,
+            cluster_id=result.cluster_id,
+            details={
+                "mode": self.config.enforcement_mode,
+                "decision_id": decision.decision_id if decision else None,
+                "is_fallback": result.is_fallback,
+                "fallback_reason": result.fallback_reason,
+                "violations": [v.type for v in result.violations],
+            },
+        )
+        if result.is_fallback:
+            self.audit.record(
+                "routing_fallback_used",
+                job_id=job.job_id,
+                cluster_id=result.cluster_id,
+                details={
+                    "reason": result.fallback_reason,
+                    "decided": decision.selected_cluster_id if decision else None,
+                    "decision_id": decision.decision_id if decision else None,
+                },
+            )
 
     def _reject(self, job: JobSpec, result: RoutingResult, message: str) -> RoutingResult:
         result.accepted = False
