@@ -1,0 +1,180 @@
+"""Pipeline throughput against a bare workflow with the same number of activities, side by side in one run.
+
+    .venv/bin/python benchmarks/pipeline.py [--jobs 200] [--rounds 2]
+
+The pipeline: N jobs through HPCJobWorkflow with its real activities (routing against a LocalLedger, the local
+executor running a trivial script as a real process, signed usage, accounting and settlement). The baseline: N
+workflows that run the same number of trivial activities in sequence, on the same dev server and worker settings.
+Both are started all at once and awaited; rounds alternate so machine noise hits both. Prints jobs/s, the ratio,
+and history events per job. Target (DESIGN.md): ratio >= 0.8.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+from temporalio.client import Client
+from temporalio.contrib.pydantic import pydantic_data_converter
+from temporalio.testing import WorkflowEnvironment
+from temporalio.worker import Worker
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from activities.schedulers.local import LocalAdapter  # noqa: E402
+from benchmarks.bare import BareWorkflow, bench_noop  # noqa: E402
+from tests.conftest import binary, make_config  # noqa: E402
+from tests.pipeline_harness import setup_ledger  # noqa: E402
+from virtengine_hpc.config import Config, Secrets  # noqa: E402
+from virtengine_hpc.messages import JobResult, JobWorkflowInput  # noqa: E402
+from virtengine_hpc.models import JobSpec  # noqa: E402
+from virtengine_hpc.signing import Signer, write_private_key  # noqa: E402
+from workers.wiring import build_worker_deps, job_settings  # noqa: E402
+from workers.worker import make_worker  # noqa: E402
+from workflows.hpc_job import SEARCH_ATTRIBUTES, initial_search_attributes  # noqa: E402
+
+
+async def run_pipeline(client: Client, config: Config, key: Path, ledger_jobs: list[str], queue: str) -> float:
+    start = time.monotonic()
+    handles = []
+    for job_id in ledger_jobs:
+        spec = JobSpec.model_validate(
+            {
+                "job_id": job_id,
+                "tenant": "virtengine1tenant0alice",
+                "provider": config.provider.address,
+                "offering_id": "offering-standard",
+                "script": "true\n",
+                "walltime_seconds": 600,
+                "max_price": "1",
+            }
+        )
+        inp = JobWorkflowInput(
+            job=spec, cluster_id=config.hpc.cluster_id, provider=config.provider.address, settings=job_settings(config)
+        )
+        handles.append(
+            await client.start_workflow(
+                "HPCJobWorkflow",
+                inp,
+                id=job_id,
+                task_queue=queue,
+                search_attributes=initial_search_attributes(inp),
+                result_type=JobResult,
+            )
+        )
+    results = await asyncio.gather(*(h.result() for h in handles))
+    elapsed = time.monotonic() - start
+    bad = [r for r in results if r.state.value != "completed"]
+    if bad:
+        raise SystemExit(f"{len(bad)} pipeline jobs did not complete: {bad[0]}")
+    return elapsed
+
+
+async def run_bare(client: Client, n: int, steps: int, queue: str) -> float:
+    start = time.monotonic()
+    handles = [
+        await client.start_workflow("BareWorkflow", steps, id=f"bare-{uuid.uuid4().hex}", task_queue=queue)
+        for _ in range(n)
+    ]
+    await asyncio.gather(*(h.result() for h in handles))
+    return time.monotonic() - start
+
+
+async def history_events(client: Client, workflow_id: str) -> tuple[int, int]:
+    history = await client.get_workflow_handle(workflow_id).fetch_history()
+    activities = sum(1 for e in history.events if e.HasField("activity_task_scheduled_event_attributes"))
+    return len(history.events), activities
+
+
+async def main(n: int, rounds: int) -> None:
+    env = await WorkflowEnvironment.start_local(
+        dev_server_existing_path=binary("temporal"),
+        data_converter=pydantic_data_converter,
+        search_attributes=list(SEARCH_ATTRIBUTES),
+        ui=False,
+        dev_server_log_level="error",
+    )
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            base = Path(tmp)
+            key = base / "provider.key"
+            write_private_key(key)
+            config = make_config(
+                base,
+                hpc={
+                    "cluster_id": "bench-cluster",
+                    "job_service": {"max_concurrent_jobs": max(100, n)},
+                    "local": {"max_parallel_jobs": 64, "job_poll_interval": "200ms"},
+                },
+            )
+            ledger = setup_ledger(config, Signer.from_file(key))
+            adapter = LocalAdapter.from_config(config, Secrets(), config.hpc.cluster_id)
+            deps = build_worker_deps(
+                config, Secrets(provider_signing_key_path=key), chain=ledger, adapters={"bench-cluster": adapter}
+            )
+            pipe_queue, bare_queue = f"pipe-{uuid.uuid4().hex[:6]}", f"bare-{uuid.uuid4().hex[:6]}"
+            pipe_worker = make_worker(env.client, deps, queue=pipe_queue)
+            bare_worker = Worker(
+                env.client,
+                task_queue=bare_queue,
+                workflows=[BareWorkflow],
+                activities=[bench_noop],
+                max_concurrent_activities=pipe_worker.config()["max_concurrent_activities"],
+                max_concurrent_workflow_tasks=100,
+            )
+            async with pipe_worker, bare_worker:
+                # Warm up both paths, and learn how many activities a pipeline job runs.
+                warm = f"JOB-warm-{uuid.uuid4().hex[:6]}"
+                ledger.submit_job(_raw(config, warm))
+                ledger.create_decision(warm, "bench-cluster")
+                await run_pipeline(env.client, config, key, [warm], pipe_queue)
+                events, steps = await history_events(env.client, warm)
+                await run_bare(env.client, 5, steps, bare_queue)
+
+                pipe_rates, bare_rates = [], []
+                for r in range(rounds):
+                    ids = [f"JOB-b{r}-{i}-{uuid.uuid4().hex[:6]}" for i in range(n)]
+                    for job_id in ids:
+                        ledger.submit_job(_raw(config, job_id))
+                        ledger.create_decision(job_id, "bench-cluster")
+                    pipe_rates.append(n / await run_pipeline(env.client, config, key, ids, pipe_queue))
+                    bare_rates.append(n / await run_bare(env.client, n, steps, bare_queue))
+                    print(f"round {r + 1}: pipeline {pipe_rates[-1]:.1f} jobs/s, bare {bare_rates[-1]:.1f} wf/s")
+                sample_events, _ = await history_events(env.client, ids[0])
+            await deps.close()
+    finally:
+        await env.shutdown()
+    pipe, bare = statistics.median(pipe_rates), statistics.median(bare_rates)
+    print()
+    print(f"jobs per round            {n}")
+    print(f"activities per job        {steps} (the bare workflow runs the same number)")
+    print(f"pipeline throughput       {pipe:.1f} jobs/s (median of {rounds})")
+    print(f"bare workflow throughput  {bare:.1f} wf/s")
+    print(f"ratio pipeline / bare     {pipe / bare:.2f}   (target >= 0.8)")
+    print(f"history events per job    {sample_events} (warm-up job: {events})")
+
+
+def _raw(config: Config, job_id: str) -> dict[str, object]:
+    return {
+        "job_id": job_id,
+        "tenant": "virtengine1tenant0alice",
+        "provider": config.provider.address,
+        "offering_id": "offering-standard",
+        "script": "true\n",
+        "walltime_seconds": 600,
+        "max_price": "1",
+    }
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--jobs", type=int, default=200)
+    parser.add_argument("--rounds", type=int, default=2)
+    args = parser.parse_args()
+    asyncio.run(main(args.jobs, args.rounds))
