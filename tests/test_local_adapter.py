@@ -573,6 +573,15 @@ async def test_job_environment_is_clean_and_describes_the_allocation(
     assert "SLURM_JOB_ID" not in env and "SLURM_JOBID" not in env
 
 
+async def test_a_script_near_the_size_limit_runs_whole(make_adapter: Callable[..., LocalAdapter]) -> None:
+    adapter = make_adapter()
+    filler = "# " + "x" * 1000 + "\n"
+    body = filler * 1000 + "echo end-of-a-long-script\n"  # ~1 MB, just under the model's limit
+    job_id = (await adapter.submit(request("wf-big", body))).scheduler_job_id
+    assert (await wait_final(adapter, job_id)).state == JobState.COMPLETED
+    assert (adapter.job_dir(job_id) / "stdout").read_text() == "end-of-a-long-script\n"
+
+
 async def test_a_restarted_worker_finds_its_jobs(make_adapter: Callable[..., LocalAdapter]) -> None:
     first = make_adapter()
     job_id = (await first.submit(request("wf-restart", "sleep 0.3\n"))).scheduler_job_id

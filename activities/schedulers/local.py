@@ -87,7 +87,7 @@ class LocalAdapter(SchedulerAdapter):
     """
 
     mpi_launcher = "mpirun"
-    #: How long ``submit`` waits for a supervisor to confirm it took the job.
+    #: How long ``submit`` waits for a concurrent submit's supervisor to claim the job before giving up (transient).
     launch_timeout: float = 30.0
 
     def __init__(self, config: LocalSchedulerConfig, state_dir: Path, cluster_id: str) -> None:
@@ -178,7 +178,7 @@ class LocalAdapter(SchedulerAdapter):
     def _write_file(path: Path, data: bytes, mode: int) -> None:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, mode)
         try:
-            os.write(fd, data)
+            sup.write_all(fd, data)
             os.fsync(fd)
         finally:
             os.close(fd)

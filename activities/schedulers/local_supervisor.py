@@ -261,6 +261,13 @@ class Integrator:
 
 
 # ---- files -------------------------------------------------------------------------------------------------
+def write_all(fd: int, data: bytes) -> None:
+    """``os.write`` until every byte is written (a single write may be short)."""
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
+
+
 def write_json_atomic(path: Path, data: dict[str, Any], *, durable: bool) -> None:
     """Write ``data`` to ``path`` through a temporary file and a rename: readers see old or new, never half.
 
@@ -270,7 +277,7 @@ def write_json_atomic(path: Path, data: dict[str, Any], *, durable: bool) -> Non
     payload = json.dumps(data, sort_keys=True).encode()
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
     try:
-        os.write(fd, payload)
+        write_all(fd, payload)
         if durable:
             os.fsync(fd)
     finally:
