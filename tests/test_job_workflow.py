@@ -253,3 +253,54 @@ async def test_job_that_never_starts_times_out_after_job_timeout_default(
         assert "job_timeout_default" in results[job_id].message
         assert scheduler.cancels, "the provider cancels the job in the scheduler"
         assert p.ledger.balance(TENANT) == Decimal("100000"), "a job that never ran costs nothing"
+
+
+async def test_search_attributes_follow_the_job(pipe: Pipeline) -> None:
+    adapter(pipe).default = Script([(0, Q), (0.2, R), (1.0, C)], exit_code=0)
+    job_id = pipe.submit()
+    result = (await pipe.run_until_done([job_id]))[job_id]
+    query = f"WorkflowId = '{job_id}' AND VeJobState = 'completed' AND VeClusterId = '{pipe.cluster_id}'"
+    for _ in range(50):  # visibility is eventually consistent
+        found = [wf async for wf in pipe.client.list_workflows(query)]
+        if found:
+            break
+        await asyncio.sleep(0.2)
+    assert [wf.id for wf in found] == [job_id]
+    attrs = {pair.key.name: pair.value for pair in found[0].typed_search_attributes}
+    assert attrs["VeSchedulerJobId"] == result.scheduler_job_id
+    assert attrs["VeTenant"] == TENANT and attrs["VeTemplate"] == "script"
+
+
+async def test_long_job_continues_as_new_and_keeps_its_usage_sequence(pipe: Pipeline, key_path: Path) -> None:
+    """History stays bounded: the workflow continues as new and carries state (sequence, cumulative usage)."""
+    from virtengine_hpc.messages import JobWorkflowInput
+    from virtengine_hpc.models import JobSpec
+    from workers.wiring import job_settings
+    from workflows.hpc_job import initial_search_attributes
+
+    adapter(pipe).default = Script([(0, Q), (0.2, R), (9.0, C)], exit_code=0)
+    job_id = pipe.submit()
+    spec = JobSpec.model_validate(pipe.ledger.job(job_id).raw_spec)  # type: ignore[union-attr]
+    settings = job_settings(pipe.config).model_copy(
+        update={"report_interval_seconds": 0.5, "continue_as_new_after_events": 40}
+    )
+    inp = JobWorkflowInput(job=spec, cluster_id=pipe.cluster_id, provider=spec.provider, settings=settings)
+    handle = await pipe.client.start_workflow(
+        "HPCJobWorkflow",
+        inp,
+        id=job_id,
+        task_queue=pipe.task_queue,
+        search_attributes=initial_search_attributes(inp),
+    )
+    result = await pipe.handle(job_id).result()
+    assert result.state == C
+    runs = 0
+    async for event in handle.fetch_history_events():
+        if event.HasField("workflow_execution_continued_as_new_event_attributes"):
+            runs += 1
+    desc = await handle.describe()
+    assert desc.run_id != handle.first_execution_run_id, "the job finished in a later run"
+    records = pipe.ledger.usage_records(job_id)
+    assert len(records) >= 8, "about one record per 0.5 s over 9 s of running"
+    check_usage(pipe, job_id, key_path)
+    assert adapter(pipe).submits == 1, "continue-as-new never resubmits"
