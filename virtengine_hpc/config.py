@@ -238,6 +238,19 @@ class SlurmConfig(Section):
     )
     remote_env: dict[str, str] = Field(default_factory=dict, description="Environment for remote commands.")
     work_dir: Path | None = Field(None, description="Default working directory of jobs on the cluster.")
+    account: str | None = Field(
+        None, pattern=r"^[A-Za-z0-9_.-]{1,64}$", description="Slurm account jobs are charged to (--account)."
+    )
+    qos: str | None = Field(None, pattern=r"^[A-Za-z0-9_.-]{1,64}$", description="Slurm QOS of jobs (--qos).")
+    accounting_lookback: Duration = Field(
+        timedelta(days=30),
+        description="How far back accounting (sacct, slurmdbd) is searched for a job or a workflow's job.",
+    )
+    accounting_grace: Duration = Field(
+        timedelta(seconds=60),
+        description="How long a job the controller reports ended waits for accounting (its exit code) before "
+        "its end is reported without it.",
+    )
 
 
 class MoabConfig(Section):

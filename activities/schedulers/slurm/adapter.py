@@ -1,0 +1,609 @@
+"""The SLURM adapter: one class, four interchangeable transports (local CLI, CLI over SSH, slurmrestd, pyslurm).
+
+What it promises (``activities/schedulers/base.py``), and how:
+
+* **Exactly once.** The job carries the workflow id in its name (``vehpc-<id>``) and comment. ``find`` asks the
+  controller (``squeue -t all --name``: every job it holds, ended ones for ``MinJobAge``) *and* accounting
+  (``sacct --name`` over ``accounting_lookback``) at once: the controller covers the seconds before accounting
+  hears of a new job (4-5 s here), accounting covers jobs the controller has forgotten. ``submit`` looks first,
+  and again before every retry (``BatchSchedulerAdapter``).
+* **One query per poll.** ``status_batch`` asks the controller once for all ids; only ids it no longer holds, or
+  that it reports ended (their exit code and "CANCELLED by N" live in accounting), cost one more windowed
+  ``sacct``. A job the controller reports ended is held at its last live state until accounting confirms the end
+  (at most ``accounting_grace``), so the workflow sees the end once, complete with exit code. A job found nowhere
+  is ``found=False``, never "completed". A failed query raises ``SchedulerUnavailable``: never a state change.
+* **Pending forever is failure.** A pending reason that means "never starts" (``states.NEVER_START_REASONS``)
+  fails the job at once, and the job is cancelled so it cannot start behind the workflow's back.
+* **Usage** is cumulative and monotone: wall clock = Slurm's elapsed; CPU = measured user+system time of all steps
+  (``sstat`` for running steps, ``sacct`` for ended ones); memory GB-s, GPU-s and node-hours = the allocation
+  (what the job holds, as Slurm's TRES billing counts it) times elapsed; peak RSS; energy and interconnect bytes
+  where Slurm measures them. Exact ``Decimal`` arithmetic: 100 MiB for 10 s is 1.048576 GB-s, not 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import pwd
+from collections.abc import Iterable, Sequence
+from datetime import UTC, datetime
+from decimal import Decimal
+
+from activities.schedulers.base import Accounting, NativeStatus, SubmitRequest, register
+from activities.schedulers.slurm import parsers as p
+from activities.schedulers.slurm.backends import (
+    TRANSIENT_PATTERNS,
+    AccountingDisabled,
+    CliBackend,
+    PyslurmBackend,
+    RestBackend,
+    SlurmBackend,
+    check_node,
+)
+from activities.schedulers.slurm.base import (
+    Backoff,
+    BatchSchedulerAdapter,
+    Candidate,
+    CommandExecutor,
+    chunked,
+    retrying,
+)
+from activities.schedulers.slurm.script import (
+    job_name,
+    parse_comment,
+    plan_submission,
+    workflow_of,
+)
+from activities.schedulers.slurm.states import Mapped, map_state
+from activities.schedulers.slurm.transports import LocalRunner, RestClient, SSHRunner, load_pyslurm
+from virtengine_hpc.config import Config, Secrets, SlurmConfig
+from virtengine_hpc.errors import ConfigError, JobNotFound, SchedulerError
+from virtengine_hpc.models import UsageMetrics
+from virtengine_hpc.states import JobState
+from virtengine_hpc.usage import normalize_metrics
+
+log = logging.getLogger(__name__)
+
+#: Ids per ``squeue -j`` / ``sacct -j`` call (command lines stay far below ARG_MAX).
+MAX_IDS_PER_QUERY = 5000
+_GB = Decimal(10**9)
+_RUNNING_LIKE = (JobState.RUNNING, JobState.SUSPENDED)
+_USAGE_CACHE = 20_000
+
+
+def _is_job_id(value: str) -> bool:
+    return value.isdigit() and len(value) <= 12
+
+
+def _require_job_id(value: str) -> str:
+    if not _is_job_id(value):
+        raise JobNotFound(f"{value[:80]!r} is not a Slurm job id", transient=False)
+    return value
+
+
+@register("slurm")
+class SlurmAdapter(BatchSchedulerAdapter):
+    """SLURM through a ``SlurmBackend``; build it with ``from_config`` (or directly, in tests and benchmarks)."""
+
+    mpi_launcher = "srun"
+
+    def __init__(
+        self,
+        backend: SlurmBackend,
+        *,
+        cluster_id: str,
+        config: SlurmConfig,
+        backoff: Backoff,
+        hold: bool = False,
+        verify_cluster: bool = True,
+    ) -> None:
+        """``hold`` submits jobs held (``--hold``), for tests and benchmarks that need jobs which never start."""
+        super().__init__(backoff=backoff)
+        self.backend = backend
+        self.cluster_id = cluster_id
+        self.config = config
+        self.hold = hold
+        self.accounting_grace = config.accounting_grace.total_seconds()
+        self._verify_cluster = verify_cluster
+        self._checked = False
+        self._check_lock = asyncio.Lock()
+        self._accounting_enabled = True
+        self._high_water: dict[str, UsageMetrics] = {}
+        self._step_cpu: dict[str, dict[str, Decimal]] = {}
+
+    # ---- construction --------------------------------------------------------------------------------------
+    @classmethod
+    def from_config(cls, config: Config, secrets: Secrets, cluster_id: str) -> SlurmAdapter:
+        s = config.hpc.slurm
+        transport = s.transport or ("rest" if s.auth_method == "jwt" else "cli")
+        timeout = s.connection_timeout.total_seconds()
+        lookback_days = max(1, int(s.accounting_lookback.total_seconds() // 86400))
+        backend: SlurmBackend
+        if transport == "cli":
+            runner = LocalRunner(slurm_conf=s.slurm_conf, extra_env=s.remote_env)
+            user = pwd.getpwuid(os.getuid()).pw_name
+            backend = CliBackend(
+                CommandExecutor(runner, TRANSIENT_PATTERNS, timeout),
+                cluster=s.cluster_name,
+                user=user,
+                lookback_days=lookback_days,
+            )
+        elif transport == "ssh":
+            if not s.ssh_user:
+                raise ConfigError("hpc.slurm.ssh_user: required for the ssh transport")
+            ssh = SSHRunner(
+                host=s.ssh_host or s.controller_host,
+                port=s.ssh_port,
+                user=s.ssh_user,
+                key_path=s.ssh_key_path,
+                known_hosts=s.known_hosts_path,
+                timeout=timeout,
+                extra_env=s.remote_env,
+            )
+            backend = CliBackend(
+                CommandExecutor(ssh, TRANSIENT_PATTERNS, timeout),
+                cluster=s.cluster_name,
+                user=s.ssh_user,
+                lookback_days=lookback_days,
+            )
+        elif transport == "rest":
+            if secrets.slurm_jwt_token is None:
+                raise ConfigError("SLURM_JWT_TOKEN is not set: the rest transport authenticates with a JWT")
+            if s.work_dir is None:
+                raise ConfigError(
+                    "hpc.slurm.work_dir: required for the rest transport (slurmrestd needs one)"
+                )
+            client = RestClient(
+                base_url=s.rest_url or f"http://{s.controller_host}:6820",
+                user=s.rest_user,
+                token=secrets.slurm_jwt_token,
+                timeout=timeout,
+            )
+            backend = RestBackend(
+                client,
+                api_version=s.api_version,
+                cluster=s.cluster_name,
+                user=s.rest_user,
+                lookback_days=lookback_days,
+            )
+        else:
+            module = load_pyslurm()
+            if module is None:
+                raise ConfigError(
+                    "hpc.slurm.transport pyslurm: pyslurm is not installed (no PyPI release matches Slurm 22.05; "
+                    "install the release matching your Slurm, or use cli, ssh or rest)"
+                )
+            user = pwd.getpwuid(os.getuid()).pw_name
+            backend = PyslurmBackend(module, cluster=s.cluster_name, user=user)
+        return cls(
+            backend,
+            cluster_id=cluster_id,
+            config=s,
+            backoff=Backoff.from_config(config.hpc.retry, s.max_retries),
+        )
+
+    @property
+    def calls(self) -> dict[str, int]:
+        """Scheduler queries made so far, by kind (``squeue``, ``sacct``, ``jobs``, ...)."""
+        return dict(self.backend.calls)
+
+    async def _ready(self) -> None:
+        """Once per adapter: check that the scheduler we reach is the cluster the config names."""
+        if self._checked or not self._verify_cluster:
+            return
+        async with self._check_lock:
+            if self._checked:
+                return
+            info = await self.backend.cluster_info()
+            if info.cluster_name != self.config.cluster_name:
+                raise ConfigError(
+                    f"hpc.slurm.cluster_name is {self.config.cluster_name!r} but {self.backend.description} "
+                    f"reaches cluster {info.cluster_name or '(unknown)'!r}"
+                )
+            if info.controller_port and info.controller_port != self.config.controller_port:
+                log.warning(
+                    "hpc.slurm.controller_port %s differs from the cluster's SlurmctldPort %s",
+                    self.config.controller_port,
+                    info.controller_port,
+                )
+            if info.controller_hosts and self.config.controller_host not in info.controller_hosts:
+                log.warning(
+                    "hpc.slurm.controller_host %s is not among the cluster's SlurmctldHost entries %s",
+                    self.config.controller_host,
+                    ", ".join(info.controller_hosts),
+                )
+            self._checked = True
+
+    # ---- submission ----------------------------------------------------------------------------------------
+    async def _submit_new(self, request: SubmitRequest) -> str:
+        await self._ready()
+        plan = plan_submission(
+            request,
+            cluster_id=self.cluster_id,
+            default_partition=self.config.default_partition,
+            account=self.config.account,
+            qos=self.config.qos,
+            work_dir=str(self.config.work_dir) if self.config.work_dir else None,
+            hold=self.hold,
+        )
+        job_id = await self.backend.submit(plan)
+        log.info("workflow %s submitted as Slurm job %s", request.workflow_id, job_id)
+        return job_id
+
+    async def _lookup(self, workflow_ids: list[str]) -> dict[str, list[Candidate]]:
+        await self._ready()
+        names = {job_name(w): w for w in workflow_ids}
+        queued, accounted = await asyncio.gather(
+            self.backend.queue_by_names(list(names)), self._accounting_by_names(list(names))
+        )
+        found: dict[str, dict[str, Candidate]] = {}
+        records: list[p.QueueJob | p.AcctJob] = [*accounted, *queued]
+        for record in records:  # the controller's view wins for a job both know
+            workflow = workflow_of(record.name, record.comment)
+            if workflow is None or names.get(record.name) != workflow:
+                continue  # another job that merely shares the name (its comment says otherwise)
+            final = map_state(record.state).state.final
+            found.setdefault(workflow, {})[record.job_id] = Candidate(record.job_id, final=final)
+        return {w: list(c.values()) for w, c in found.items()}
+
+    async def _accounting_by_names(self, names: list[str]) -> list[p.AcctJob]:
+        if not self._accounting_enabled:
+            return []
+        try:
+            return await self.backend.accounting_by_names(names)
+        except AccountingDisabled:
+            self._accounting_disabled()
+            return []
+
+    def _accounting_disabled(self) -> None:
+        if self._accounting_enabled:
+            log.error(
+                "Slurm accounting is disabled on %s: jobs the controller forgets (after MinJobAge) cannot be "
+                "found, exit codes of ended jobs are unknown, and final usage is the controller's last view",
+                self.cluster_id,
+            )
+        self._accounting_enabled = False
+
+    async def _cancel_many(self, scheduler_job_ids: Sequence[str]) -> None:
+        await self.backend.cancel(list(scheduler_job_ids))
+
+    # ---- status --------------------------------------------------------------------------------------------
+    async def status_batch(self, scheduler_job_ids: Iterable[str]) -> dict[str, NativeStatus]:
+        ids = list(dict.fromkeys(scheduler_job_ids))
+        out: dict[str, NativeStatus] = {
+            i: NativeStatus(scheduler_job_id=i, found=False, reason=f"{i[:40]!r} is not a Slurm job id")
+            for i in ids
+            if not _is_job_id(i)
+        }
+        valid = [i for i in ids if _is_job_id(i)]
+        if not valid:
+            return out
+        await self._ready()
+        never_start: list[str] = []
+        for chunk in chunked(valid, MAX_IDS_PER_QUERY):
+            queue = {job.job_id: job for job in await self.backend.queue(chunk)}
+            need = [i for i in chunk if i not in queue or map_state(queue[i].state).state.final]
+            accounting: dict[str, p.AcctJob] = {}
+            if need and self._accounting_enabled:
+                try:
+                    accounting = {job.job_id: job for job in await self.backend.accounting(need, steps=False)}
+                except AccountingDisabled:
+                    self._accounting_disabled()
+            for job_id in chunk:
+                status, never = self._status_of(job_id, queue.get(job_id), accounting.get(job_id))
+                out[job_id] = status
+                if never:
+                    never_start.append(job_id)
+        if never_start:
+            try:
+                await self.backend.cancel(never_start)
+            except SchedulerError as exc:  # reported failed anyway; the next poll cancels again
+                log.warning("could not cancel jobs that will never start %s: %s", never_start, exc)
+        return out
+
+    def _status_of(
+        self, job_id: str, queued: p.QueueJob | None, accounted: p.AcctJob | None
+    ) -> tuple[NativeStatus, bool]:
+        if queued is None and accounted is None:
+            return NativeStatus(
+                scheduler_job_id=job_id,
+                found=False,
+                reason=f"Slurm job {job_id} is in neither the controller's queue nor accounting",
+            ), False
+        if queued is not None:
+            mapped = map_state(queued.state, queued.reason)
+            if not mapped.state.final:
+                return self._from_queue(job_id, queued, mapped), False
+            if mapped.never_starts:
+                return self._from_queue(job_id, queued, mapped), True
+            if accounted is not None and map_state(accounted.state).state.final:
+                if queued.exit_code is not None:  # slurmrestd's controller view has the reliable exit code
+                    accounted.exit_code = queued.exit_code
+                return self._from_accounting(job_id, accounted), False
+            return self._ended_in_queue(job_id, queued, mapped), False
+        assert accounted is not None
+        return self._from_accounting(job_id, accounted), False
+
+    def _from_queue(self, job_id: str, job: p.QueueJob, mapped: Mapped) -> NativeStatus:
+        started = mapped.state in _RUNNING_LIKE or (mapped.state.final and (job.elapsed_seconds or 0) > 0)
+        return NativeStatus(
+            scheduler_job_id=job_id,
+            state=mapped.state,
+            native_state=mapped.native_state,
+            reason=mapped.reason,
+            exit_code=job.exit_code if mapped.state.final else None,
+            start_time=job.start_time if started or job.exit_code is not None else None,
+            end_time=job.end_time if mapped.state.final else None,
+        )
+
+    def _ended_in_queue(self, job_id: str, job: p.QueueJob, mapped: Mapped) -> NativeStatus:
+        """The controller says the job ended; accounting has not caught up (or is off, or cannot be waited for)."""
+        ended = job.end_time or datetime.now(UTC)
+        waited = (datetime.now(UTC) - ended).total_seconds()
+        if job.exit_code is None and self._accounting_enabled and waited < self.accounting_grace:
+            ran = job.start_time is not None and (job.elapsed_seconds is None or job.elapsed_seconds > 0)
+            state = (
+                JobState.RUNNING if ran and job.start_time and job.start_time <= ended else JobState.QUEUED
+            )
+            return NativeStatus(
+                scheduler_job_id=job_id,
+                state=state,
+                native_state=f"{mapped.native_state} (awaiting accounting)",
+                reason="ended; waiting for accounting to record how",
+                start_time=job.start_time if state == JobState.RUNNING else None,
+            )
+        status = self._from_queue(job_id, job, mapped)
+        return status.model_copy(update={"reason": _final_reason(mapped.reason, job.exit_code, job.reason)})
+
+    def _from_accounting(self, job_id: str, job: p.AcctJob) -> NativeStatus:
+        mapped = map_state(job.state, job.reason)
+        final = mapped.state.final
+        return NativeStatus(
+            scheduler_job_id=job_id,
+            state=mapped.state,
+            native_state=mapped.native_state,
+            reason=_final_reason(mapped.reason, job.exit_code, job.reason) if final else mapped.reason,
+            exit_code=job.exit_code if final else None,
+            start_time=job.start_time if job.elapsed_seconds > 0 or mapped.state in _RUNNING_LIKE else None,
+            end_time=job.end_time if final else None,
+        )
+
+    # ---- usage ---------------------------------------------------------------------------------------------
+    async def usage(self, scheduler_job_id: str) -> Accounting:
+        job_id = _require_job_id(scheduler_job_id)
+        await self._ready()
+        return await retrying(lambda: self._usage(job_id), self.backoff, f"usage of {job_id}")
+
+    async def _usage(self, job_id: str) -> Accounting:
+        queued = next(iter(await self.backend.queue([job_id])), None)
+        mapped = map_state(queued.state) if queued is not None else None
+        if queued is not None and mapped is not None and not mapped.state.final:
+            if mapped.state not in _RUNNING_LIKE:
+                return Accounting(scheduler_job_id=job_id)  # not started (or requeued): nothing more used yet
+            return await self._running_usage(job_id, queued)
+        accounted: p.AcctJob | None = None
+        if self._accounting_enabled:
+            try:
+                accounted = next(iter(await self.backend.accounting([job_id], steps=True)), None)
+            except AccountingDisabled:
+                self._accounting_disabled()
+        if accounted is not None and self._accounting_closed(accounted):
+            return self._final_usage(job_id, accounted)
+        if queued is None and accounted is None:
+            raise JobNotFound(f"Slurm job {job_id} is in neither the controller's queue nor accounting")
+        if queued is not None and not self._accounting_enabled:
+            # No accounting to wait for: the controller's last view is all there will ever be.
+            return self._queue_usage(job_id, queued, final=True)
+        # Ended in the controller, not yet in accounting (or accounting still says running): not final yet.
+        if queued is not None:
+            return self._queue_usage(job_id, queued, final=False)
+        assert accounted is not None
+        return self._monotone(job_id, self._accounting_metrics(accounted), accounted, final=False)
+
+    async def _running_usage(self, job_id: str, job: p.QueueJob) -> Accounting:
+        live_task = asyncio.create_task(self.backend.live_steps(job_id))
+        try:
+            ended = await self.backend.accounting([job_id], steps=True) if self._accounting_enabled else []
+        except AccountingDisabled:
+            self._accounting_disabled()
+            ended = []
+        except SchedulerError as exc:  # the live reading still counts; ended steps show up next time
+            log.info("usage of %s: accounting unavailable (%s); live steps only", job_id, exc)
+            ended = []
+        live = await live_task
+        # Per step, the highest CPU reading seen (live from sstat, ended from sacct): sum is monotone.
+        seen = self._step_cpu.setdefault(job_id, {})
+        rss: list[int] = []
+        energy = Decimal(0)
+        net_in: Decimal | None = None
+        net_out: Decimal | None = None
+        for step in [s for a in ended for s in a.steps]:
+            seen[step.step_id] = max(seen.get(step.step_id, Decimal(0)), step.total_cpu_seconds)
+            rss += [step.max_rss_bytes] if step.max_rss_bytes else []
+        for step_live in live or []:
+            cpu = step_live.usage_in.get("cpu", Decimal(0))
+            seen[step_live.step_id] = max(seen.get(step_live.step_id, Decimal(0)), cpu)
+            rss += [step_live.max_rss_bytes] if step_live.max_rss_bytes else []
+            energy += step_live.usage_in.get("energy", Decimal(0))
+            if "ic/ofed" in step_live.usage_in:
+                net_in = (net_in or Decimal(0)) + step_live.usage_in["ic/ofed"]
+            if "ic/ofed" in step_live.usage_out:
+                net_out = (net_out or Decimal(0)) + step_live.usage_out["ic/ofed"]
+        elapsed = job.elapsed_seconds
+        if elapsed is None:  # slurmrestd gives no run time: derive it from the start
+            elapsed = max(0, int((datetime.now(UTC) - (job.start_time or datetime.now(UTC))).total_seconds()))
+        metrics = _metrics(
+            elapsed=Decimal(elapsed),
+            alloc=job.alloc_tres,
+            cpu=sum(seen.values(), Decimal(0)),
+            rss=max(rss) if rss else None,
+            energy=energy or None,
+            net_in=net_in,
+            net_out=net_out,
+            storage_gb=_storage_gb(job.comment),
+        )
+        return self._monotone(job_id, metrics, job, final=False)
+
+    def _accounting_closed(self, job: p.AcctJob) -> bool:
+        """The job ended in accounting and so did each of its steps (a step's record lands a moment after the job's
+        line, first without its usage). A step stuck "running" after ``accounting_grace`` is not waited for."""
+        if not map_state(job.state).state.final:
+            return False
+        open_steps = [s.step_id for s in job.steps if not map_state(s.state).state.final]
+        if not open_steps:
+            return True
+        ended = job.end_time or datetime.now(UTC)
+        if (datetime.now(UTC) - ended).total_seconds() >= self.accounting_grace:
+            log.warning(
+                "job %s ended but accounting still shows steps %s open; closing it", job.job_id, open_steps
+            )
+            return True
+        return False
+
+    def _accounting_metrics(self, job: p.AcctJob) -> UsageMetrics:
+        cpu = (
+            sum((s.total_cpu_seconds for s in job.steps), Decimal(0)) if job.steps else job.total_cpu_seconds
+        )
+        rss = [s.max_rss_bytes for s in job.steps if s.max_rss_bytes]
+        energy = (
+            sum((s.usage_in.get("energy", Decimal(0)) for s in job.steps), Decimal(0)) or job.energy_joules
+        )
+        net_in = [s.usage_in["ic/ofed"] for s in job.steps if "ic/ofed" in s.usage_in]
+        net_out = [s.usage_out["ic/ofed"] for s in job.steps if "ic/ofed" in s.usage_out]
+        return _metrics(
+            elapsed=Decimal(job.elapsed_seconds),
+            alloc=job.alloc_tres,
+            cpu=cpu or Decimal(0),
+            rss=max(rss) if rss else None,
+            energy=energy or None,
+            net_in=sum(net_in, Decimal(0)) if net_in else None,
+            net_out=sum(net_out, Decimal(0)) if net_out else None,
+            storage_gb=_storage_gb(job.comment),
+        )
+
+    def _final_usage(self, job_id: str, job: p.AcctJob) -> Accounting:
+        self._high_water.pop(job_id, None)
+        self._step_cpu.pop(job_id, None)
+        return Accounting(
+            scheduler_job_id=job_id,
+            final=True,
+            metrics=normalize_metrics(self._accounting_metrics(job)),
+            start_time=job.start_time if job.elapsed_seconds > 0 else None,
+            end_time=job.end_time,
+        )
+
+    def _queue_usage(self, job_id: str, job: p.QueueJob, *, final: bool) -> Accounting:
+        elapsed = job.elapsed_seconds
+        if elapsed is None and job.start_time is not None:
+            end = job.end_time or datetime.now(UTC)
+            elapsed = max(0, int((end - job.start_time).total_seconds()))
+        cpu = sum(self._step_cpu.get(job_id, {}).values(), Decimal(0))
+        metrics = _metrics(
+            elapsed=Decimal(elapsed or 0),
+            alloc=job.alloc_tres,
+            cpu=cpu,
+            rss=self._high_water[job_id].memory_bytes_max if job_id in self._high_water else None,
+            energy=None,
+            net_in=None,
+            net_out=None,
+            storage_gb=_storage_gb(job.comment),
+        )
+        return self._monotone(job_id, metrics, job, final=final)
+
+    def _monotone(
+        self, job_id: str, metrics: UsageMetrics, job: p.QueueJob | p.AcctJob, *, final: bool
+    ) -> Accounting:
+        """A running reading never goes below an earlier one (a step that just ended is in neither sstat nor,
+        for a few seconds, sacct)."""
+        previous = self._high_water.get(job_id)
+        if previous is not None:
+            metrics = _max_metrics(metrics, previous)
+        if len(self._high_water) >= _USAGE_CACHE:
+            self._high_water.clear()
+            self._step_cpu.clear()
+        if final:
+            self._high_water.pop(job_id, None)
+            self._step_cpu.pop(job_id, None)
+        else:
+            self._high_water[job_id] = metrics
+        return Accounting(
+            scheduler_job_id=job_id,
+            final=final,
+            metrics=normalize_metrics(metrics),
+            start_time=job.start_time,
+            end_time=job.end_time if final else None,
+        )
+
+    # ---- cancel and nodes ----------------------------------------------------------------------------------
+    async def cancel(self, scheduler_job_id: str) -> None:
+        job_id = _require_job_id(scheduler_job_id)
+        await self._ready()
+        await retrying(lambda: self.backend.cancel([job_id]), self.backoff, f"cancel {job_id}")
+
+    async def drain_node(self, node: str, reason: str) -> None:
+        check_node(node)
+        clean = " ".join(reason.split())[:256] or "drained by virtengine-hpc"
+        await retrying(lambda: self.backend.drain(node, clean), self.backoff, f"drain {node}")
+
+    async def resume_node(self, node: str) -> None:
+        check_node(node)
+        await retrying(lambda: self.backend.resume(node), self.backoff, f"resume {node}")
+
+    async def node_busy(self, node: str) -> bool:
+        check_node(node)
+        return await retrying(lambda: self.backend.node_busy(node), self.backoff, f"jobs on {node}")
+
+    async def close(self) -> None:
+        await self.backend.close()
+
+
+def _final_reason(mapped_reason: str, exit_code: int | None, slurm_reason: str) -> str:
+    reason = mapped_reason
+    if exit_code not in (None, 0):
+        reason = f"{reason}; exit code {exit_code}"
+    extra = slurm_reason.strip()
+    if extra and extra not in ("None", "NonZeroExitCode", "OutOfMemory", "TimeLimit") and extra not in reason:
+        reason = f"{reason} ({extra})"
+    return reason
+
+
+def _storage_gb(comment: str) -> int:
+    value = parse_comment(comment).get("storage_gb", "0")
+    return int(value) if value.isdigit() else 0
+
+
+def _metrics(
+    *,
+    elapsed: Decimal,
+    alloc: dict[str, Decimal],
+    cpu: Decimal,
+    rss: int | None,
+    energy: Decimal | None,
+    net_in: Decimal | None,
+    net_out: Decimal | None,
+    storage_gb: int,
+) -> UsageMetrics:
+    nodes = alloc.get("node", Decimal(1) if elapsed > 0 else Decimal(0))
+    memory = alloc.get("mem", Decimal(0))
+    gpus = alloc.get("gres/gpu", Decimal(0))
+    return UsageMetrics(
+        wall_clock_seconds=elapsed,
+        cpu_core_seconds=cpu,
+        memory_gb_seconds=memory / _GB * elapsed,
+        gpu_seconds=gpus * elapsed,
+        node_hours=nodes * elapsed / 3600,
+        storage_gb_hours=Decimal(storage_gb) * elapsed / 3600,
+        network_bytes_in=int(net_in) if net_in is not None else None,
+        network_bytes_out=int(net_out) if net_out is not None else None,
+        energy_joules=energy,
+        memory_bytes_max=rss,
+    )
+
+
+def _max_metrics(a: UsageMetrics, b: UsageMetrics) -> UsageMetrics:
+    values: dict[str, object] = {}
+    for name in UsageMetrics.model_fields:
+        x, y = getattr(a, name), getattr(b, name)
+        values[name] = y if x is None else x if y is None else max(x, y)
+    return UsageMetrics.model_validate(values)

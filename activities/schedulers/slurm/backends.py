@@ -1,0 +1,556 @@
+"""The raw Slurm operations behind the adapter, one class per way of reaching Slurm.
+
+Each backend answers the same few questions with the records of ``parsers`` (``QueueJob``, ``AcctJob``,
+``LiveStep``): submit a plan, list jobs from the controller (one query), from accounting (one windowed query), the
+live steps of a running job, cancel, drain/resume a node. The adapter (``adapter.py``) owns the meaning: state
+mapping, exactly-once submission, usage arithmetic. ``calls`` counts scheduler queries by kind, for the batching
+benchmark and tests.
+
+* ``CliBackend``: ``sbatch``/``squeue``/``sacct``/``sstat``/``scancel``/``scontrol`` through a ``CommandRunner``
+  (local or SSH); ``munge`` auth.
+* ``RestBackend``: slurmrestd ``/slurm/<v>/...`` and ``/slurmdb/<v>/...``; JWT auth. slurmrestd v0.0.38 has no
+  sstat (live usage is wall clock and allocation; CPU arrives with the final accounting), no node update (drain
+  needs the CLI or SSH transport) and no job-id filter on ``/slurmdb/<v>/jobs`` (vanished jobs are looked up one by
+  one — they are rare: only jobs the controller forgot).
+* ``PyslurmBackend``: pyslurm's 22.5 API, for sites whose Slurm matches a pyslurm release.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import re
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from decimal import Decimal
+from types import ModuleType
+from typing import Any
+
+from activities.schedulers.slurm import parsers as p
+from activities.schedulers.slurm.base import CommandExecutor, CommandResult
+from activities.schedulers.slurm.script import SubmitPlan, render_batch_script, render_rest_job
+from activities.schedulers.slurm.transports import RestClient
+from virtengine_hpc.errors import SchedulerError, SchedulerUnavailable, SubmissionRejected
+
+#: Error output that means "try again later": the controller or slurmdbd is down, slow or restarting.
+TRANSIENT_PATTERNS = tuple(
+    re.compile(p, re.I)
+    for p in (
+        r"Socket timed out",
+        r"Unable to contact slurm controller",
+        r"Connection refused",
+        r"Connection timed out",
+        r"Connection reset",
+        r"Communication connection failure",
+        r"Zero Bytes were transmitted or received",
+        r"Transport endpoint is not connected",
+        r"backup controller in standby mode",
+        r"temporarily unable to accept job",
+        r"Resource temporarily unavailable",
+        r"Problem talking to the database",
+        r"Unable to establish (a )?connection",
+        r"slurm_persist_conn_open",
+        r"slurmdbd.*(unavailable|not responding|down)",
+        r"Protocol authentication error",
+        r"[Mm]unge.*(failed|error|socket)",
+        r"Slurmctld is not responding",
+        r"Slurm controller not responding",
+        r"Unable to connect",
+        r"No route to host",
+    )
+)
+_ACCOUNTING_DISABLED = re.compile(r"accounting storage is disabled", re.I)
+_NODE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+
+
+@dataclass(frozen=True)
+class ClusterInfo:
+    cluster_name: str
+    controller_hosts: tuple[str, ...] = ()
+    controller_port: int | None = None
+    min_job_age_seconds: int | None = None
+
+
+class AccountingDisabled(SchedulerError):
+    """The cluster keeps no accounting (``AccountingStorageType=accounting_storage/none``)."""
+
+    transient = False
+    code = "accounting_disabled"
+
+
+class SlurmBackend(abc.ABC):
+    description: str = ""
+    user: str = ""
+
+    def __init__(self) -> None:
+        self.calls: Counter[str] = Counter()
+
+    @abc.abstractmethod
+    async def cluster_info(self) -> ClusterInfo: ...
+
+    @abc.abstractmethod
+    async def submit(self, plan: SubmitPlan) -> str: ...
+
+    @abc.abstractmethod
+    async def queue(self, job_ids: Sequence[str]) -> list[p.QueueJob]:
+        """The controller's view of these jobs, in one query (purged or unknown ids are simply absent)."""
+
+    @abc.abstractmethod
+    async def queue_by_names(self, names: Sequence[str]) -> list[p.QueueJob]:
+        """This user's jobs with these names, in any state the controller still holds."""
+
+    @abc.abstractmethod
+    async def accounting(self, job_ids: Sequence[str], *, steps: bool) -> list[p.AcctJob]:
+        """Accounting records of these jobs (with their steps if asked); raises ``AccountingDisabled``."""
+
+    @abc.abstractmethod
+    async def accounting_by_names(self, names: Sequence[str]) -> list[p.AcctJob]: ...
+
+    async def live_steps(self, job_id: str) -> list[p.LiveStep] | None:
+        """Usage so far of a running job's steps; ``None`` when this transport cannot tell."""
+        return None
+
+    @abc.abstractmethod
+    async def cancel(self, job_ids: Sequence[str]) -> None: ...
+
+    async def drain(self, node: str, reason: str) -> None:
+        raise NotImplementedError(f"{self.description}: cannot drain nodes; use the cli or ssh transport")
+
+    async def resume(self, node: str) -> None:
+        raise NotImplementedError(f"{self.description}: cannot resume nodes; use the cli or ssh transport")
+
+    @abc.abstractmethod
+    async def node_busy(self, node: str) -> bool: ...
+
+    async def close(self) -> None:
+        return None
+
+
+def check_node(node: str) -> str:
+    if not _NODE_NAME.fullmatch(node):
+        raise SchedulerError(f"{node[:80]!r} is not a valid node name", transient=False)
+    return node
+
+
+# ---- CLI (local or SSH) --------------------------------------------------------------------------------------
+
+
+class CliBackend(SlurmBackend):
+    def __init__(self, executor: CommandExecutor, *, cluster: str, user: str, lookback_days: int) -> None:
+        super().__init__()
+        self.ex = executor
+        self.cluster = cluster
+        self.user = user
+        self.lookback = f"now-{lookback_days}days"
+        self.description = executor.runner.description
+
+    async def _run(
+        self,
+        argv: list[str],
+        *,
+        what: str,
+        stdin: str | None = None,
+        ok: Any = None,
+        rejected: type[SchedulerError] = SchedulerError,
+    ) -> CommandResult:
+        self.calls[argv[0]] += 1
+        return await self.ex.run(argv, what=what, stdin=stdin, ok=ok, rejected=rejected)
+
+    async def cluster_info(self) -> ClusterInfo:
+        result = await self._run(["scontrol", "show", "config"], what="scontrol show config")
+        config = p.parse_scontrol_config(result.stdout)
+        hosts: list[str] = []
+        for key, value in config.items():
+            if key.startswith("SlurmctldHost"):
+                name, _, addr = value.partition("(")
+                hosts.extend(h for h in (name.strip(), addr.rstrip(")").strip()) if h)
+        port = config.get("SlurmctldPort", "").split("-")[0]
+        age = config.get("MinJobAge", "").split()[0] if config.get("MinJobAge") else ""
+        return ClusterInfo(
+            cluster_name=config.get("ClusterName", ""),
+            controller_hosts=tuple(hosts),
+            controller_port=int(port) if port.isdigit() else None,
+            min_job_age_seconds=int(age) if age.isdigit() else None,
+        )
+
+    async def submit(self, plan: SubmitPlan) -> str:
+        result = await self._run(
+            ["sbatch", "--parsable"],
+            what="sbatch",
+            stdin=render_batch_script(plan),
+            rejected=SubmissionRejected,
+        )
+        try:
+            return p.parse_job_id(result.stdout)
+        except p.ParseError as exc:
+            # sbatch said yes but printed no id: the job may exist; the next lookup finds it.
+            raise SchedulerUnavailable(
+                f"sbatch: {exc}", command=list(result.argv), stdout=result.stdout
+            ) from exc
+
+    async def queue(self, job_ids: Sequence[str]) -> list[p.QueueJob]:
+        result = await self._run(
+            ["squeue", "-h", "-t", "all", "-j", ",".join(job_ids), "-O", p.SQUEUE_FORMAT],
+            what="squeue",
+            # A single id the controller no longer holds is an "error" (exit 1); several are an empty answer.
+            ok=lambda r: r.exit_code == 0 or "Invalid job id specified" in r.stderr,
+        )
+        return p.parse_squeue(result.stdout) if result.exit_code == 0 else []
+
+    async def queue_by_names(self, names: Sequence[str]) -> list[p.QueueJob]:
+        result = await self._run(
+            ["squeue", "-h", "-t", "all", "-u", self.user, "-n", ",".join(names), "-O", p.SQUEUE_FORMAT],
+            what="squeue",
+        )
+        return p.parse_squeue(result.stdout)
+
+    def _sacct(self, *selection: str, steps: bool) -> list[str]:
+        argv = ["sacct", "-P", "-n", "--noconvert", "-M", self.cluster, "-S", self.lookback]
+        if not steps:
+            argv.append("-X")
+        return [*argv, *selection, "-o", p.SACCT_FORMAT]
+
+    async def _accounting(self, argv: list[str]) -> list[p.AcctJob]:
+        try:
+            result = await self._run(argv, what="sacct")
+        except SchedulerError as exc:
+            if _ACCOUNTING_DISABLED.search(f"{exc.stdout}\n{exc.stderr}"):
+                raise AccountingDisabled(
+                    "Slurm accounting storage is disabled on this cluster",
+                    command=exc.command,
+                    exit_code=exc.exit_code,
+                ) from exc
+            raise
+        return p.parse_sacct(result.stdout)
+
+    async def accounting(self, job_ids: Sequence[str], *, steps: bool) -> list[p.AcctJob]:
+        return await self._accounting(self._sacct("-j", ",".join(job_ids), steps=steps))
+
+    async def accounting_by_names(self, names: Sequence[str]) -> list[p.AcctJob]:
+        return await self._accounting(self._sacct("-u", self.user, "--name", ",".join(names), steps=False))
+
+    async def live_steps(self, job_id: str) -> list[p.LiveStep] | None:
+        result = await self._run(
+            ["sstat", "-P", "-n", "-a", "--noconvert", "-j", job_id, "-o", p.SSTAT_FORMAT],
+            what="sstat",
+            ok=lambda r: r.exit_code == 0 or not self.ex.is_transient(r.stderr),
+        )
+        return p.parse_sstat(result.stdout) if result.exit_code == 0 else []
+
+    async def cancel(self, job_ids: Sequence[str]) -> None:
+        # scancel exits 0 for jobs that already ended or that the controller forgot: that is success here.
+        await self._run(
+            ["scancel", *job_ids],
+            what="scancel",
+            ok=lambda r: (
+                r.exit_code == 0
+                or bool(re.search(r"Invalid job id|already completing or completed", r.stderr))
+            ),
+        )
+
+    async def drain(self, node: str, reason: str) -> None:
+        await self._run(
+            ["scontrol", "update", f"nodename={check_node(node)}", "state=drain", f"reason={reason}"],
+            what=f"drain {node}",
+        )
+
+    async def resume(self, node: str) -> None:
+        # "Invalid node state specified": the node is not drained or down, so there is nothing to resume.
+        await self._run(
+            ["scontrol", "update", f"nodename={check_node(node)}", "state=resume"],
+            what=f"resume {node}",
+            ok=lambda r: r.exit_code == 0 or "Invalid node state specified" in r.stderr,
+        )
+
+    async def node_busy(self, node: str) -> bool:
+        result = await self._run(
+            [
+                "squeue",
+                "-h",
+                "-w",
+                check_node(node),
+                "-t",
+                "CONFIGURING,RUNNING,COMPLETING,SUSPENDED,STOPPED,SIGNALING,STAGE_OUT,RESIZING",
+                "-O",
+                "JobID:|",
+            ],
+            what=f"squeue -w {node}",
+        )
+        return any(line.strip() for line in result.stdout.splitlines())
+
+    async def close(self) -> None:
+        await self.ex.runner.close()
+
+
+# ---- slurmrestd ----------------------------------------------------------------------------------------------
+
+_HELD = 2042  # "Job is in held state, pending scheduler release": the job was created
+_INVALID_JOB_ID = 2017
+_NOTHING_FOUND = 9003
+_ALREADY_DONE = 2021
+
+
+class RestBackend(SlurmBackend):
+    def __init__(
+        self,
+        client: RestClient,
+        *,
+        api_version: str,
+        cluster: str,
+        user: str,
+        lookback_days: int,
+        max_parallel: int = 8,
+    ) -> None:
+        super().__init__()
+        self.http = client
+        self.slurm = f"/slurm/{api_version}"
+        self.slurmdb = f"/slurmdb/{api_version}"
+        self.cluster = cluster
+        self.user = user
+        self.lookback = f"now-{lookback_days}days"
+        self.description = client.description
+        self._parallel = asyncio.Semaphore(max_parallel)
+
+    def _fail(
+        self, errors: list[dict[str, Any]], what: str, rejected: type[SchedulerError]
+    ) -> SchedulerError:
+        text = "; ".join(p.rest_error_text(e) for e in errors) or "no answer"
+        transient = any(pattern.search(text) for pattern in TRANSIENT_PATTERNS)
+        kind: type[SchedulerError] = SchedulerUnavailable if transient else rejected
+        return kind(f"{what}: {text}", stdout=text[:2000])
+
+    async def _get(self, kind: str, path: str, params: dict[str, str] | None = None) -> dict[str, Any]:
+        self.calls[kind] += 1
+        async with self._parallel:
+            _status, body = await self.http.request("GET", path, params=params)
+        return body
+
+    async def cluster_info(self) -> ClusterInfo:
+        body = await self._get("ping", f"{self.slurm}/ping")
+        pings = body.get("pings") or []
+        if not any(isinstance(x, dict) and str(x.get("ping", "")).upper() == "UP" for x in pings):
+            raise SchedulerUnavailable(f"slurmrestd: the controller does not answer ping ({pings})")
+        body = await self._get("cluster", f"{self.slurmdb}/cluster/{self.cluster}")
+        names = [c.get("name") for c in body.get("clusters") or [] if isinstance(c, dict)]
+        return ClusterInfo(cluster_name=self.cluster if self.cluster in names else ",".join(map(str, names)))
+
+    async def submit(self, plan: SubmitPlan) -> str:
+        self.calls["job/submit"] += 1
+        async with self._parallel:
+            _status, body = await self.http.request(
+                "POST", f"{self.slurm}/job/submit", json=render_rest_job(plan)
+            )
+        errors = [e for e in p.rest_errors(body) if p.rest_error_code(e) != _HELD]
+        job_id = body.get("job_id")
+        if isinstance(job_id, int) and job_id > 0:
+            return str(job_id)
+        raise self._fail(errors, "slurmrestd job/submit", SubmissionRejected)
+
+    async def _all_jobs(self) -> list[p.QueueJob]:
+        body = await self._get("jobs", f"{self.slurm}/jobs")
+        errors = p.rest_errors(body)
+        if errors and not body.get("jobs"):
+            raise self._fail(errors, "slurmrestd jobs", SchedulerError)
+        return p.parse_rest_jobs(body)
+
+    async def queue(self, job_ids: Sequence[str]) -> list[p.QueueJob]:
+        wanted = set(job_ids)
+        return [job for job in await self._all_jobs() if job.job_id in wanted]
+
+    async def queue_by_names(self, names: Sequence[str]) -> list[p.QueueJob]:
+        wanted = set(names)
+        return [job for job in await self._all_jobs() if job.name in wanted and job.user == self.user]
+
+    async def _db_job(self, job_id: str) -> list[p.AcctJob]:
+        body = await self._get("slurmdb/job", f"{self.slurmdb}/job/{job_id}")
+        errors = [e for e in p.rest_errors(body) if p.rest_error_code(e) != _NOTHING_FOUND]
+        if errors and not body.get("jobs"):
+            raise self._fail(errors, f"slurmdbd job {job_id}", SchedulerError)
+        return p.parse_rest_db_jobs(body)
+
+    async def accounting(self, job_ids: Sequence[str], *, steps: bool) -> list[p.AcctJob]:
+        wanted = set(job_ids)
+        found = await asyncio.gather(*(self._db_job(job_id) for job_id in wanted))
+        return [job for jobs in found for job in jobs if job.job_id in wanted]
+
+    async def _db_by_name(self, name: str) -> list[p.AcctJob]:
+        # 22.05 parses only one job_name per query, and start_time only as "now-N<unit>".
+        body = await self._get(
+            "slurmdb/jobs",
+            f"{self.slurmdb}/jobs",
+            params={"job_name": name, "start_time": self.lookback, "skip_steps": "true"},
+        )
+        errors = [e for e in p.rest_errors(body) if p.rest_error_code(e) != _NOTHING_FOUND]
+        if errors and not body.get("jobs"):
+            raise self._fail(errors, "slurmdbd jobs", SchedulerError)
+        return [job for job in p.parse_rest_db_jobs(body) if job.name == name and job.user == self.user]
+
+    async def accounting_by_names(self, names: Sequence[str]) -> list[p.AcctJob]:
+        found = await asyncio.gather(*(self._db_by_name(name) for name in names))
+        return [job for jobs in found for job in jobs]
+
+    async def cancel(self, job_ids: Sequence[str]) -> None:
+        for job_id in job_ids:
+            self.calls["job/delete"] += 1
+            async with self._parallel:
+                _status, body = await self.http.request("DELETE", f"{self.slurm}/job/{job_id}")
+            errors = [
+                e for e in p.rest_errors(body) if p.rest_error_code(e) not in (_INVALID_JOB_ID, _ALREADY_DONE)
+            ]
+            errors = [e for e in errors if "already completing or completed" not in p.rest_error_text(e)]
+            if errors:
+                raise self._fail(errors, f"slurmrestd cancel {job_id}", SchedulerError)
+
+    async def node_busy(self, node: str) -> bool:
+        body = await self._get("node", f"{self.slurm}/node/{check_node(node)}")
+        nodes = [n for n in body.get("nodes") or [] if isinstance(n, dict)]
+        if not nodes:
+            raise self._fail(p.rest_errors(body), f"slurmrestd node {node}", SchedulerError)
+        state = " ".join(
+            [str(nodes[0].get("state", ""))] + [str(f) for f in nodes[0].get("state_flags") or []]
+        ).upper()
+        return (nodes[0].get("alloc_cpus") or 0) > 0 or any(
+            word in state for word in ("ALLOCATED", "MIXED", "COMPLETING")
+        )
+
+    async def close(self) -> None:
+        await self.http.close()
+
+
+# ---- pyslurm (optional) --------------------------------------------------------------------------------------
+
+
+class PyslurmBackend(SlurmBackend):
+    """pyslurm 22.5's object API, run in threads (libslurm calls block).
+
+    Not exercised by this project's CI: no pyslurm release on PyPI matches the Slurm 22.05 it runs. Sites whose
+    Slurm matches a pyslurm release can use it; the adapter logic on top is the one the CLI and REST tests cover.
+    """
+
+    def __init__(self, pyslurm: ModuleType, *, cluster: str, user: str) -> None:
+        super().__init__()
+        self.pyslurm = pyslurm
+        self.cluster = cluster
+        self.user = user
+        self.description = f"pyslurm {getattr(pyslurm, '__version__', '?')}"
+
+    async def _call(self, kind: str, fn: Any, *args: Any) -> Any:
+        self.calls[kind] += 1
+        try:
+            return await asyncio.to_thread(fn, *args)
+        except Exception as exc:  # pyslurm raises RPCError / ValueError with Slurm's message
+            text = str(exc)
+            if any(pattern.search(text) for pattern in TRANSIENT_PATTERNS):
+                raise SchedulerUnavailable(f"pyslurm {kind}: {text}") from exc
+            raise SchedulerError(f"pyslurm {kind}: {text}") from exc
+
+    async def cluster_info(self) -> ClusterInfo:
+        return ClusterInfo(cluster_name=self.cluster)
+
+    async def submit(self, plan: SubmitPlan) -> str:
+        def run() -> int:
+            desc = self.pyslurm.JobSubmitDescription(
+                name=plan.job_name,
+                comment=plan.comment,
+                partitions=plan.partition,
+                nodes=plan.nodes,
+                ntasks_per_node=plan.tasks_per_node,
+                cpus_per_task=plan.cpus_per_task,
+                memory_per_node=f"{plan.mem_mb_per_node}M",
+                time_limit=str(plan.time_minutes),
+                working_directory=plan.workdir,
+                standard_output=plan.output_file,
+                standard_error=plan.error_file,
+                environment=plan.environment,
+                script=render_batch_script(plan),
+            )
+            if plan.account:
+                desc.account = plan.account
+            if plan.gres:
+                desc.gres_per_node = plan.gres
+            if plan.hold:
+                desc.priority = 0
+            return int(desc.submit())
+
+        try:
+            return str(await self._call("submit", run))
+        except SchedulerUnavailable:
+            raise
+        except SchedulerError as exc:
+            raise SubmissionRejected(str(exc)) from exc
+
+    def _queue_job(self, job: Any) -> p.QueueJob:
+        def when(value: Any) -> datetime | None:
+            return datetime.fromtimestamp(int(value), UTC) if value else None
+
+        return p.QueueJob(
+            job_id=str(job.id),
+            state=str(job.state or ""),
+            reason=str(getattr(job, "state_reason", "") or ""),
+            submit_time=when(getattr(job, "submit_time", None)),
+            start_time=when(getattr(job, "start_time", None)),
+            end_time=when(getattr(job, "end_time", None)),
+            elapsed_seconds=getattr(job, "run_time", None),
+            alloc_tres=p.parse_tres(str(getattr(job, "allocated_tres", "") or ""), usage=False),
+            user=str(getattr(job, "user_name", "") or ""),
+            name=str(job.name or ""),
+            comment=str(getattr(job, "comment", "") or ""),
+            exit_code=p.exit_code_from_pair(str(getattr(job, "exit_code", "") or "")),
+        )
+
+    async def _all(self) -> list[p.QueueJob]:
+        jobs = await self._call("jobs", lambda: self.pyslurm.Jobs.load())
+        return [self._queue_job(job) for job in jobs.values()]
+
+    async def queue(self, job_ids: Sequence[str]) -> list[p.QueueJob]:
+        wanted = set(job_ids)
+        return [job for job in await self._all() if job.job_id in wanted]
+
+    async def queue_by_names(self, names: Sequence[str]) -> list[p.QueueJob]:
+        wanted = set(names)
+        return [job for job in await self._all() if job.name in wanted and job.user == self.user]
+
+    def _acct_job(self, job: Any) -> p.AcctJob:
+        stats = getattr(job, "stats", None)
+        cpu = getattr(stats, "total_cpu_time", None)
+        rss = getattr(stats, "max_resident_memory", None)
+        return p.AcctJob(
+            job_id=str(job.id),
+            state=str(job.state or ""),
+            exit_code=p.exit_code_from_pair(str(getattr(job, "exit_code", "") or "")),
+            elapsed_seconds=int(getattr(job, "elapsed_time", 0) or 0),
+            total_cpu_seconds=Decimal(cpu) if cpu else None,
+            alloc_tres=p.parse_tres(str(getattr(job, "allocated_tres", "") or ""), usage=False),
+            user=str(getattr(job, "user_name", "") or ""),
+            name=str(job.name or ""),
+            comment=str(getattr(job, "comment", "") or ""),
+            steps=[p.AcctStep(step_id="job", max_rss_bytes=int(rss) if rss else None)],
+        )
+
+    async def accounting(self, job_ids: Sequence[str], *, steps: bool) -> list[p.AcctJob]:
+        db = self.pyslurm.db
+        jobs = await self._call("db.jobs", lambda: db.Jobs.load(db.JobFilter(ids=[int(i) for i in job_ids])))
+        return [self._acct_job(job) for job in jobs.values()]
+
+    async def accounting_by_names(self, names: Sequence[str]) -> list[p.AcctJob]:
+        db = self.pyslurm.db
+        jobs = await self._call(
+            "db.jobs", lambda: db.Jobs.load(db.JobFilter(names=list(names), users=[self.user]))
+        )
+        return [self._acct_job(job) for job in jobs.values()]
+
+    async def cancel(self, job_ids: Sequence[str]) -> None:
+        for job_id in job_ids:
+            try:
+                await self._call("cancel", lambda j=job_id: self.pyslurm.Job(int(j)).cancel())
+            except SchedulerUnavailable:
+                raise
+            except SchedulerError as exc:
+                if not re.search(r"Invalid job id|already completing or completed", str(exc)):
+                    raise
+
+    async def node_busy(self, node: str) -> bool:
+        loaded = await self._call("node", lambda: self.pyslurm.Node.load(check_node(node)))
+        return bool(getattr(loaded, "allocated_cpus", 0))

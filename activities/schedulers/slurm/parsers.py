@@ -1,0 +1,587 @@
+"""Parsers for what Slurm 22.05 prints (``squeue -O``, ``sacct -P``, ``sstat -P``, ``sbatch --parsable``) and for
+slurmrestd's v0.0.38 JSON, into a few plain records that the adapter maps without caring where they came from.
+
+Pitfalls handled here (all seen in ``tests/golden/slurm``): text fields are not escaped, so free text (name, comment)
+is printed last and split off with a bounded ``split``; times are epoch seconds because every command runs with
+``SLURM_TIME_FORMAT=%s`` (no local-time guessing), but ``Unknown``/``None``/``N/A`` mean "no time"; sizes come with
+or without a 1024-based suffix; CPU times come as ``[D-][HH:]MM:SS[.mmm]``; job-level MaxRSS/TRES usage are empty
+and live on the steps; slurmdbd's JSON reports CPU time with ``microseconds`` that can exceed a million.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from decimal import Decimal
+from typing import Any
+
+from activities.schedulers.slurm.states import exit_code_from_pair, exit_code_from_wait_status
+
+# ---- the formats the commands are asked for ------------------------------------------------------------------
+
+#: ``squeue -O`` fields, free text last. With ``:|`` each field is printed unpadded, followed by ``|``.
+SQUEUE_FIELDS = (
+    "JobID",
+    "State",
+    "Reason",
+    "SubmitTime",
+    "StartTime",
+    "EndTime",
+    "TimeUsed",
+    "tres-alloc",
+    "UserName",
+    "Name",
+    "Comment",
+)
+SQUEUE_FORMAT = ",".join(f"{name}:|" for name in SQUEUE_FIELDS)
+
+#: ``sacct -P`` fields (with steps unless ``-X``), free text last.
+SACCT_FIELDS = (
+    "JobIDRaw",
+    "State",
+    "ExitCode",
+    "ElapsedRaw",
+    "TotalCPU",
+    "AllocTRES",
+    "MaxRSS",
+    "TRESUsageInTot",
+    "TRESUsageOutTot",
+    "ConsumedEnergyRaw",
+    "Submit",
+    "Start",
+    "End",
+    "Reason",
+    "User",
+    "JobName",
+    "Comment",
+)
+SACCT_FORMAT = ",".join(SACCT_FIELDS)
+
+#: ``sstat -P`` fields for the live steps of a running job.
+SSTAT_FIELDS = ("JobID", "MaxRSS", "TRESUsageInTot", "TRESUsageOutTot")
+SSTAT_FORMAT = ",".join(SSTAT_FIELDS)
+
+_UNITS = {"": 0, "K": 1, "M": 2, "G": 3, "T": 4, "P": 5, "E": 6}
+_SIZE_RE = re.compile(r"^(\d+(?:\.\d+)?)([KMGTPE]?)(?:i?B)?$", re.I)
+_DURATION_RE = re.compile(r"^(?:(\d+)-)?(?:(\d+):)?(\d+):(\d+(?:\.\d+)?)$")
+_NO_VALUE = {"", "Unknown", "None", "N/A", "(null)", "NONE", "INVALID", "UNLIMITED"}
+
+
+class ParseError(ValueError):
+    """Output that does not look like what the command was asked to print."""
+
+
+# ---- records -------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class QueueJob:
+    """A job as the controller holds it (``squeue -t all``, ``GET /slurm/.../jobs``)."""
+
+    job_id: str
+    state: str
+    reason: str = ""
+    submit_time: datetime | None = None
+    start_time: datetime | None = None
+    end_time: datetime | None = None
+    elapsed_seconds: int | None = None
+    alloc_tres: dict[str, Decimal] = field(default_factory=dict)
+    user: str = ""
+    name: str = ""
+    comment: str = ""
+    exit_code: int | None = None
+    """Known from slurmrestd (its raw wait status); ``squeue`` cannot print exit codes."""
+
+
+@dataclass
+class AcctStep:
+    step_id: str
+    state: str = ""
+    elapsed_seconds: int = 0
+    total_cpu_seconds: Decimal = Decimal(0)
+    max_rss_bytes: int | None = None
+    usage_in: dict[str, Decimal] = field(default_factory=dict)
+    usage_out: dict[str, Decimal] = field(default_factory=dict)
+
+
+@dataclass
+class AcctJob:
+    """A job as accounting (slurmdbd) recorded it, with its steps."""
+
+    job_id: str
+    state: str
+    exit_code: int | None = None
+    elapsed_seconds: int = 0
+    total_cpu_seconds: Decimal | None = None
+    alloc_tres: dict[str, Decimal] = field(default_factory=dict)
+    energy_joules: Decimal | None = None
+    submit_time: datetime | None = None
+    start_time: datetime | None = None
+    end_time: datetime | None = None
+    reason: str = ""
+    user: str = ""
+    name: str = ""
+    comment: str = ""
+    steps: list[AcctStep] = field(default_factory=list)
+
+
+@dataclass
+class LiveStep:
+    """A running step's usage so far (``sstat``)."""
+
+    step_id: str
+    max_rss_bytes: int | None = None
+    usage_in: dict[str, Decimal] = field(default_factory=dict)
+    usage_out: dict[str, Decimal] = field(default_factory=dict)
+
+
+# ---- scalar parsers ------------------------------------------------------------------------------------------
+
+
+def parse_time(value: str | int | None) -> datetime | None:
+    """Epoch seconds (``SLURM_TIME_FORMAT=%s``, or slurmrestd's integers); 0 and placeholders mean no time."""
+    if value is None:
+        return None
+    if isinstance(value, int):
+        return datetime.fromtimestamp(value, UTC) if value > 0 else None
+    text = value.strip()
+    if text in _NO_VALUE or not text.isdigit():
+        return None
+    seconds = int(text)
+    return datetime.fromtimestamp(seconds, UTC) if seconds > 0 else None
+
+
+def parse_duration(value: str) -> Decimal | None:
+    """``[D-][HH:]MM:SS[.mmm]`` (TotalCPU, TimeUsed, Elapsed, TRES cpu) in seconds; placeholders give ``None``."""
+    text = value.strip()
+    if text in _NO_VALUE:
+        return None
+    match = _DURATION_RE.match(text)
+    if match is None:
+        if re.fullmatch(r"\d+(\.\d+)?", text):
+            return Decimal(text)
+        raise ParseError(f"not a Slurm duration: {value[:40]!r}")
+    days, hours, minutes, seconds = match.groups()
+    total = Decimal(seconds) + 60 * int(minutes) + 3600 * int(hours or 0) + 86400 * int(days or 0)
+    return total
+
+
+def parse_size(value: str, default_unit: str = "") -> int | None:
+    """A 1024-based size (``156384K``, ``1G``, ``4128768``) in bytes; ``default_unit`` applies without suffix."""
+    text = value.strip()
+    if text in _NO_VALUE:
+        return None
+    match = _SIZE_RE.match(text)
+    if match is None:
+        raise ParseError(f"not a Slurm size: {value[:40]!r}")
+    number, unit = match.groups()
+    unit = (unit or default_unit).upper()
+    return int(Decimal(number) * (1024 ** _UNITS[unit]))
+
+
+def parse_tres(value: str, *, usage: bool) -> dict[str, Decimal]:
+    """``cpu=1,mem=1G,node=1,gres/gpu=2`` (allocation) or ``cpu=00:00:05,mem=322144K,fs/disk=1690155`` (usage).
+
+    Allocation TRES give counts, with ``mem`` in bytes (a bare number is MiB). Usage TRES give ``cpu`` in seconds
+    and every size (mem, vmem, fs/disk, ic/ofed) in bytes (a bare number is bytes). Unknown TRES are kept.
+    """
+    out: dict[str, Decimal] = {}
+    text = value.strip()
+    if text in _NO_VALUE:
+        return out
+    for item in text.split(","):
+        key, sep, raw = item.partition("=")
+        key = key.strip()
+        if not sep or not key:
+            continue
+        raw = raw.strip()
+        if usage and key == "cpu":
+            seconds = parse_duration(raw)
+            if seconds is not None:
+                out[key] = seconds
+        elif key in ("mem", "vmem") or key.startswith(("fs/", "ic/")):
+            size = parse_size(raw, default_unit="" if usage else "M")
+            if size is not None:
+                out[key] = Decimal(size)
+        else:
+            try:
+                out[key] = Decimal(raw)
+            except ArithmeticError:
+                continue
+    return out
+
+
+def parse_int(value: str) -> int | None:
+    text = value.strip()
+    return int(text) if text.isdigit() else None
+
+
+def parse_job_id(value: str) -> str:
+    """The id printed by ``sbatch --parsable``: ``123`` or ``123;cluster``."""
+    lines = [line.strip() for line in value.strip().splitlines() if line.strip()]
+    if not lines:
+        raise ParseError("sbatch printed no job id")
+    job_id, _, _cluster = lines[-1].partition(";")
+    if not job_id.isdigit():
+        raise ParseError(f"sbatch printed {lines[-1][:80]!r}, not a job id")
+    return job_id
+
+
+# ---- command output ------------------------------------------------------------------------------------------
+
+
+def _split(line: str, count: int, *, terminated: bool = False) -> list[str] | None:
+    """Split a ``|``-separated line of ``count`` fields whose last field is free text (may contain ``|``).
+
+    ``terminated``: every field is followed by ``|`` (``squeue -O 'Field:|'``), so the line ends with one.
+    """
+    if terminated and line.endswith("|"):
+        line = line[:-1]
+    parts = line.split("|", count - 1)
+    return parts if len(parts) == count else None
+
+
+def parse_squeue(text: str) -> list[QueueJob]:
+    """``squeue -h -O <SQUEUE_FORMAT>`` output. Lines that do not fit (a ``CLUSTER:`` banner) are skipped."""
+    jobs: list[QueueJob] = []
+    for line in text.splitlines():
+        if not line.strip() or line.startswith("CLUSTER:"):
+            continue
+        parts = _split(line, len(SQUEUE_FIELDS), terminated=True)
+        if parts is None:
+            continue
+        job_id, state, reason, submit, start, end, used, tres, user, rest_name, comment = parts
+        job_id = job_id.strip()
+        if not job_id.isdigit():
+            continue  # array tasks (123_4) and heterogeneous components are not ours
+        elapsed = parse_duration(used)
+        jobs.append(
+            QueueJob(
+                job_id=job_id,
+                state=state.strip(),
+                reason=_text(reason),
+                submit_time=parse_time(submit),
+                start_time=parse_time(start),
+                end_time=parse_time(end),
+                elapsed_seconds=int(elapsed) if elapsed is not None else None,
+                alloc_tres=parse_tres(tres, usage=False),
+                user=user.strip(),
+                name=rest_name,
+                comment=_text(comment),
+            )
+        )
+    return jobs
+
+
+def parse_sacct(text: str) -> list[AcctJob]:
+    """``sacct -P -n -o <SACCT_FORMAT>`` output, job lines with their step lines (``123.batch``, ``123.0``)."""
+    jobs: dict[str, AcctJob] = {}
+    order: list[AcctJob] = []
+    current: AcctJob | None = None  # the job whose step lines follow
+    for line in text.splitlines():
+        if not line.strip():
+            continue
+        parts = _split(line, len(SACCT_FIELDS))
+        if parts is None:
+            continue
+        (
+            raw_id,
+            state,
+            exit_code,
+            elapsed,
+            total_cpu,
+            alloc,
+            max_rss,
+            tres_in,
+            tres_out,
+            energy,
+            submit,
+            start,
+            end,
+            reason,
+            user,
+            name,
+            comment,
+        ) = parts
+        raw_id = raw_id.strip()
+        job_id, dot, step_id = raw_id.partition(".")
+        if not job_id.isdigit():
+            continue
+        cpu = parse_duration(total_cpu)
+        if dot:
+            if current is None or current.job_id != job_id:
+                continue
+            rss = parse_size(max_rss)
+            current.steps.append(
+                AcctStep(
+                    step_id=step_id,
+                    state=state.strip(),
+                    elapsed_seconds=parse_int(elapsed) or 0,
+                    total_cpu_seconds=cpu or Decimal(0),
+                    max_rss_bytes=rss,
+                    usage_in=parse_tres(tres_in, usage=True),
+                    usage_out=parse_tres(tres_out, usage=True),
+                )
+            )
+            continue
+        joules = parse_int(energy)
+        job = AcctJob(
+            job_id=job_id,
+            state=state.strip(),
+            exit_code=exit_code_from_pair(exit_code),
+            elapsed_seconds=parse_int(elapsed) or 0,
+            total_cpu_seconds=cpu,
+            alloc_tres=parse_tres(alloc, usage=False),
+            energy_joules=Decimal(joules) if joules else None,
+            submit_time=parse_time(submit),
+            start_time=parse_time(start),
+            end_time=parse_time(end),
+            reason=_text(reason),
+            user=user.strip(),
+            name=name,
+            comment=_text(comment),
+        )
+        # The same id twice (ids reused after a cluster was rebuilt): the latest submission wins.
+        previous = jobs.get(job_id)
+        if previous is not None and _later(previous.submit_time, job.submit_time):
+            current = None
+            continue
+        if previous is not None:
+            order.remove(previous)
+        jobs[job_id] = job
+        order.append(job)
+        current = job
+    return order
+
+
+def parse_sstat(text: str) -> list[LiveStep]:
+    """``sstat -P -n -a -o <SSTAT_FORMAT>``: one line per running step."""
+    steps: list[LiveStep] = []
+    for line in text.splitlines():
+        parts = line.strip().split("|")
+        if len(parts) < len(SSTAT_FIELDS) or parts[0] == "JobID":
+            continue
+        step_ref, max_rss, tres_in, tres_out = parts[: len(SSTAT_FIELDS)]
+        _, dot, step_id = step_ref.partition(".")
+        if not dot:
+            continue
+        steps.append(
+            LiveStep(
+                step_id=step_id,
+                max_rss_bytes=parse_size(max_rss),
+                usage_in=parse_tres(tres_in, usage=True),
+                usage_out=parse_tres(tres_out, usage=True),
+            )
+        )
+    return steps
+
+
+def parse_scontrol_config(text: str) -> dict[str, str]:
+    """``scontrol show config``: ``Key = value`` lines."""
+    out: dict[str, str] = {}
+    for line in text.splitlines():
+        key, sep, value = line.partition("=")
+        if sep and key.strip() and " " not in key.strip():
+            out[key.strip()] = value.strip()
+    return out
+
+
+def _text(value: str) -> str:
+    text = value.strip()
+    return "" if text in ("(null)", "None") else text
+
+
+def _later(a: datetime | None, b: datetime | None) -> bool:
+    """True when ``a`` is strictly later than ``b`` (unknown times lose)."""
+    if a is None:
+        return False
+    return b is None or a > b
+
+
+# ---- slurmrestd JSON (v0.0.38; the number shapes of v0.0.39+ are accepted too) -------------------------------
+
+
+def _number(value: Any) -> int | None:
+    """An integer, or v0.0.39+'s ``{"set": true, "infinite": false, "number": N}``."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return value
+    if isinstance(value, Mapping):
+        if not value.get("set", True) or value.get("infinite"):
+            return None
+        return _number(value.get("number"))
+    return None
+
+
+def _state_text(value: Any) -> str:
+    """``"RUNNING"``, or v0.0.39+'s ``["RUNNING"]`` / ``{"current": ["RUNNING"]}``."""
+    if isinstance(value, Mapping):
+        return _state_text(value.get("current"))
+    if isinstance(value, list | tuple):
+        return str(value[0]) if value else ""
+    return str(value or "")
+
+
+def rest_errors(body: Mapping[str, Any]) -> list[dict[str, Any]]:
+    errors = body.get("errors") or []
+    return [e for e in errors if isinstance(e, Mapping)]  # type: ignore[misc]
+
+
+def rest_error_text(error: Mapping[str, Any]) -> str:
+    parts = [str(error.get(k)) for k in ("error", "description") if error.get(k)]
+    return ": ".join(dict.fromkeys(parts)) or "unspecified error"
+
+
+def rest_error_code(error: Mapping[str, Any]) -> int | None:
+    for key in ("error_code", "error_number"):
+        value = error.get(key)
+        if isinstance(value, int):
+            return value
+    return None
+
+
+def parse_rest_jobs(body: Mapping[str, Any]) -> list[QueueJob]:
+    """``GET /slurm/v0.0.38/jobs`` or ``/job/{id}``."""
+    jobs: list[QueueJob] = []
+    for raw in body.get("jobs") or []:
+        if not isinstance(raw, Mapping):
+            continue
+        job_id = _number(raw.get("job_id"))
+        if job_id is None:
+            continue
+        start, end = parse_time(_number(raw.get("start_time"))), parse_time(_number(raw.get("end_time")))
+        state = _state_text(raw.get("job_state"))
+        jobs.append(
+            QueueJob(
+                job_id=str(job_id),
+                state=state,
+                reason=_text(str(raw.get("state_reason") or "")),
+                submit_time=parse_time(_number(raw.get("submit_time"))),
+                start_time=start,
+                end_time=end,
+                elapsed_seconds=None,
+                alloc_tres=parse_tres(str(raw.get("tres_alloc_str") or ""), usage=False),
+                user=str(raw.get("user_name") or ""),
+                name=str(raw.get("name") or ""),
+                comment=_text(str(raw.get("comment") or "")),
+                exit_code=exit_code_from_wait_status(_number(raw.get("exit_code"))),
+            )
+        )
+    return jobs
+
+
+def _tres_list(items: Iterable[Any], *, usage: bool) -> dict[str, Decimal]:
+    """slurmdbd TRES lists: ``[{"type": "fs", "name": "disk", "count": 44118}, ...]``.
+
+    Usage counts are base units already (cpu in milliseconds, sizes in bytes); allocation ``mem`` is MiB.
+    """
+    out: dict[str, Decimal] = {}
+    for item in items or []:
+        if not isinstance(item, Mapping):
+            continue
+        kind, name, count = item.get("type"), item.get("name"), _number(item.get("count"))
+        if not kind or count is None:
+            continue
+        key = f"{kind}/{name}" if name else str(kind)
+        value = Decimal(count)
+        if usage and key == "cpu":
+            value = value / 1000
+        elif not usage and key == "mem":
+            value = value * 1024 * 1024
+        out[key] = value
+    return out
+
+
+def _seconds(value: Any) -> Decimal:
+    """``{"seconds": 2, "microseconds": 1060162}`` (microseconds may exceed a million: Slurm adds user+system)."""
+    if not isinstance(value, Mapping):
+        return Decimal(0)
+    seconds = _number(value.get("seconds")) or 0
+    micros = _number(value.get("microseconds")) or 0
+    return Decimal(seconds) + Decimal(micros) / Decimal(1_000_000)
+
+
+def _db_exit(value: Any) -> int | None:
+    if not isinstance(value, Mapping):
+        return None
+    status = str(value.get("status") or "")
+    code = _number(value.get("return_code"))
+    signal = value.get("signal")
+    signal_id = _number(signal.get("signal_id")) if isinstance(signal, Mapping) else None
+    if status == "SIGNALED" and signal_id is not None:
+        return exit_code_from_pair(f"{code or 0}:{signal_id}")
+    return code
+
+
+def parse_rest_db_jobs(body: Mapping[str, Any]) -> list[AcctJob]:
+    """``GET /slurmdb/v0.0.38/job/{id}`` or ``/jobs``: accounting records with their steps."""
+    jobs: list[AcctJob] = []
+    for raw in body.get("jobs") or []:
+        if not isinstance(raw, Mapping):
+            continue
+        job_id = _number(raw.get("job_id"))
+        if job_id is None:
+            continue
+        times = raw.get("time") or {}
+        state_obj = raw.get("state") or {}
+        state = _state_text(state_obj)
+        kill_user = raw.get("kill_request_user")
+        if state == "CANCELLED" and kill_user:
+            state = f"CANCELLED by {kill_user}"
+        steps: list[AcctStep] = []
+        energy = Decimal(0)
+        for raw_step in raw.get("steps") or []:
+            if not isinstance(raw_step, Mapping):
+                continue
+            step_ref = raw_step.get("step") or {}
+            step_id = str(step_ref.get("id") if isinstance(step_ref, Mapping) else "")
+            step_times = raw_step.get("time") or {}
+            tres = raw_step.get("tres") or {}
+            requested = tres.get("requested") or {}
+            usage_in = _tres_list(requested.get("total") or [], usage=True)
+            usage_in.pop("cpu", None)  # cpu time comes from time.total (microsecond precision)
+            maxima = _tres_list(requested.get("max") or [], usage=True)
+            rss = maxima.get("mem")
+            steps.append(
+                AcctStep(
+                    step_id=step_id,
+                    state=_state_text(raw_step.get("state")),
+                    elapsed_seconds=_number(step_times.get("elapsed")) or 0,
+                    total_cpu_seconds=_seconds(step_times.get("total")),
+                    max_rss_bytes=int(rss) if rss is not None else None,
+                    usage_in=usage_in,
+                    usage_out=_tres_list((tres.get("consumed") or {}).get("total") or [], usage=True),
+                )
+            )
+            statistics = raw_step.get("statistics") or {}
+            consumed = _number((statistics.get("energy") or {}).get("consumed"))
+            energy += Decimal(consumed or 0)
+        exit_code = _db_exit(raw.get("exit_code"))
+        if exit_code == 0 and state.split()[0] in ("FAILED", "OUT_OF_MEMORY", "NODE_FAIL", "BOOT_FAIL"):
+            exit_code = None  # slurmdbd v0.0.38 reports "SUCCESS 0" for failed jobs: unknown beats wrong
+        comment = raw.get("comment")
+        comment_text = str(comment.get("job") or "") if isinstance(comment, Mapping) else str(comment or "")
+        reason = state_obj.get("reason") if isinstance(state_obj, Mapping) else ""
+        jobs.append(
+            AcctJob(
+                job_id=str(job_id),
+                state=state,
+                exit_code=exit_code,
+                elapsed_seconds=_number(times.get("elapsed")) or 0,
+                total_cpu_seconds=sum((s.total_cpu_seconds for s in steps), Decimal(0)),
+                alloc_tres=_tres_list((raw.get("tres") or {}).get("allocated") or [], usage=False),
+                energy_joules=energy or None,
+                submit_time=parse_time(_number(times.get("submission"))),
+                start_time=parse_time(_number(times.get("start"))),
+                end_time=parse_time(_number(times.get("end"))),
+                reason=_text(str(reason or "")),
+                user=str(raw.get("user") or ""),
+                name=str(raw.get("name") or ""),
+                comment=_text(comment_text),
+                steps=steps,
+            )
+        )
+    return jobs
