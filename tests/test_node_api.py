@@ -241,3 +241,19 @@ async def test_identical_rejections_are_audited_once_per_window(harness: APIHarn
     await harness.http.post(HB.format(node.node_id), json=forger.heartbeat(9))
     last = audit_events(harness.nodes.audit_path, "heartbeat_rejected")[-1]
     assert last["details"]["suppressed_since_last"] == 4
+
+
+async def test_a_heartbeat_restarts_a_lifecycle_that_was_terminated(harness: APIHarness) -> None:
+    node = await registered_node(harness)
+    assert (await harness.http.post(HB.format(node.node_id), json=node.heartbeat(1))).status_code == 200
+    handle = harness.client.get_workflow_handle(workflow_id(node.cluster_id, node.node_id))
+    first_run = (await handle.describe()).run_id
+    await handle.terminate(reason="operator mistake")
+    # The API signals the running workflow directly; NOT_FOUND makes it fall back to signal-with-start.
+    assert (await harness.http.post(HB.format(node.node_id), json=node.heartbeat(2))).status_code == 200
+
+    async def restarted() -> bool:
+        description = await harness.client.get_workflow_handle(handle.id).describe()
+        return description.run_id != first_run and await harness.state(node) is NodeState.ACTIVE
+
+    await wait_for(restarted, 10, "a new run of the node's workflow")

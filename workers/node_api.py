@@ -40,6 +40,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, TypeAdapter
 from pydantic import ValidationError as PydanticValidationError
 from temporalio.client import Client
+from temporalio.service import RPCError, RPCStatusCode
 
 from activities.audit import AuditLog
 from activities.chain.node_ledger import NodeLedger
@@ -100,7 +101,12 @@ def node_settings(nodes: NodesConfig) -> NodeSettings:
 
 
 class TemporalForwarder:
-    """Signal-with-start on ``node-<cluster>-<node>``: the first signal starts the node's workflow."""
+    """Delivers to ``node-<cluster>-<node>``: signal-with-start the first time, then plain signals.
+
+    A plain signal costs the server about 2.5x less than signal-with-start (docs/benchmarks.md); it is tried
+    first for a workflow this process has seen running, and a ``NOT_FOUND`` (the workflow ended or never
+    started) falls back to signal-with-start, which starts it.
+    """
 
     def __init__(
         self, client: Client, *, task_queue_for: Callable[[str], str], settings: NodeSettings
@@ -108,18 +114,29 @@ class TemporalForwarder:
         self.client = client
         self.task_queue_for = task_queue_for
         self.settings = settings
+        self._running: set[str] = set()
 
     async def _signal(self, cluster_id: str, node_id: str, name: str, arg: BaseModel) -> None:
         from workflows.node import NodeWorkflow
 
+        wf_id = workflow_id(cluster_id, node_id)
+        if wf_id in self._running:
+            try:
+                await self.client.get_workflow_handle(wf_id).signal(name, arg)
+                return
+            except RPCError as exc:
+                if exc.status != RPCStatusCode.NOT_FOUND:
+                    raise
+                self._running.discard(wf_id)
         await self.client.start_workflow(
             NodeWorkflow.run,
             NodeWorkflowInput(cluster_id=cluster_id, node_id=node_id, settings=self.settings),
-            id=workflow_id(cluster_id, node_id),
+            id=wf_id,
             task_queue=self.task_queue_for(cluster_id),
             start_signal=name,
             start_signal_args=[arg],
         )
+        self._running.add(wf_id)
 
     async def heartbeat(self, cluster_id: str, node_id: str, beat: NodeBeat) -> None:
         await self._signal(cluster_id, node_id, "heartbeat", beat)
