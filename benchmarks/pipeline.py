@@ -27,6 +27,7 @@ from temporalio.worker import Worker
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from activities.schedulers.base import SchedulerAdapter  # noqa: E402
 from activities.schedulers.local import LocalAdapter  # noqa: E402
 from benchmarks.bare import BareWorkflow, bench_noop  # noqa: E402
 from tests.conftest import binary, make_config  # noqa: E402
@@ -35,12 +36,15 @@ from virtengine_hpc.config import Config, Secrets  # noqa: E402
 from virtengine_hpc.messages import JobResult, JobWorkflowInput  # noqa: E402
 from virtengine_hpc.models import JobSpec  # noqa: E402
 from virtengine_hpc.signing import Signer, write_private_key  # noqa: E402
+from virtengine_hpc.states import JobState  # noqa: E402
 from workers.wiring import build_worker_deps, job_settings  # noqa: E402
 from workers.worker import make_worker  # noqa: E402
 from workflows.hpc_job import SEARCH_ATTRIBUTES, initial_search_attributes  # noqa: E402
 
 
-async def run_pipeline(client: Client, config: Config, key: Path, ledger_jobs: list[str], queue: str) -> float:
+async def run_pipeline(
+    client: Client, config: Config, key: Path, ledger_jobs: list[str], queue: str
+) -> float:
     start = time.monotonic()
     handles = []
     for job_id in ledger_jobs:
@@ -56,7 +60,10 @@ async def run_pipeline(client: Client, config: Config, key: Path, ledger_jobs: l
             }
         )
         inp = JobWorkflowInput(
-            job=spec, cluster_id=config.hpc.cluster_id, provider=config.provider.address, settings=job_settings(config)
+            job=spec,
+            cluster_id=config.hpc.cluster_id,
+            provider=config.provider.address,
+            settings=job_settings(config),
         )
         handles.append(
             await client.start_workflow(
@@ -92,7 +99,7 @@ async def history_events(client: Client, workflow_id: str) -> tuple[int, int]:
     return len(history.events), activities
 
 
-async def main(n: int, rounds: int) -> None:
+async def main(n: int, rounds: int, scheduler: str) -> None:
     env = await WorkflowEnvironment.start_local(
         dev_server_existing_path=binary("temporal"),
         data_converter=pydantic_data_converter,
@@ -114,9 +121,22 @@ async def main(n: int, rounds: int) -> None:
                 },
             )
             ledger = setup_ledger(config, Signer.from_file(key))
-            adapter = LocalAdapter.from_config(config, Secrets(), config.hpc.cluster_id)
+            adapter: SchedulerAdapter
+            if scheduler == "memory":
+                from tests.memory_adapter import MemoryAdapter, Script
+
+                adapter = MemoryAdapter(
+                    default=Script(
+                        [(0, JobState.QUEUED), (0.05, JobState.RUNNING), (0.1, JobState.COMPLETED)], 0
+                    )
+                )
+            else:
+                adapter = LocalAdapter.from_config(config, Secrets(), config.hpc.cluster_id)
             deps = build_worker_deps(
-                config, Secrets(provider_signing_key_path=key), chain=ledger, adapters={"bench-cluster": adapter}
+                config,
+                Secrets(provider_signing_key_path=key),
+                chain=ledger,
+                adapters={"bench-cluster": adapter},
             )
             pipe_queue, bare_queue = f"pipe-{uuid.uuid4().hex[:6]}", f"bare-{uuid.uuid4().hex[:6]}"
             pipe_worker = make_worker(env.client, deps, queue=pipe_queue)
@@ -145,7 +165,9 @@ async def main(n: int, rounds: int) -> None:
                         ledger.create_decision(job_id, "bench-cluster")
                     pipe_rates.append(n / await run_pipeline(env.client, config, key, ids, pipe_queue))
                     bare_rates.append(n / await run_bare(env.client, n, steps, bare_queue))
-                    print(f"round {r + 1}: pipeline {pipe_rates[-1]:.1f} jobs/s, bare {bare_rates[-1]:.1f} wf/s")
+                    print(
+                        f"round {r + 1}: pipeline {pipe_rates[-1]:.1f} jobs/s, bare {bare_rates[-1]:.1f} wf/s"
+                    )
                 sample_events, _ = await history_events(env.client, ids[0])
             await deps.close()
     finally:
@@ -173,8 +195,17 @@ def _raw(config: Config, job_id: str) -> dict[str, object]:
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--jobs", type=int, default=200)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument(
+        "--scheduler",
+        choices=["local", "memory"],
+        default="local",
+        help="local: the real local executor (default); memory: the tests' in-memory scheduler, to separate the "
+        "executor's cost from the workflow's",
+    )
     args = parser.parse_args()
-    asyncio.run(main(args.jobs, args.rounds))
+    asyncio.run(main(args.jobs, args.rounds, args.scheduler))
