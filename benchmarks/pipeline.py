@@ -27,19 +27,19 @@ from temporalio.worker import Worker
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from activities.schedulers.base import SchedulerAdapter  # noqa: E402
-from activities.schedulers.local import LocalAdapter  # noqa: E402
-from benchmarks.bare import BareWorkflow, bench_noop  # noqa: E402
-from tests.conftest import binary, make_config  # noqa: E402
-from tests.pipeline_harness import setup_ledger  # noqa: E402
-from virtengine_hpc.config import Config, Secrets  # noqa: E402
-from virtengine_hpc.messages import JobResult, JobWorkflowInput  # noqa: E402
-from virtengine_hpc.models import JobSpec  # noqa: E402
-from virtengine_hpc.signing import Signer, write_private_key  # noqa: E402
-from virtengine_hpc.states import JobState  # noqa: E402
-from workers.wiring import build_worker_deps, job_settings  # noqa: E402
-from workers.worker import make_worker  # noqa: E402
-from workflows.hpc_job import SEARCH_ATTRIBUTES, initial_search_attributes  # noqa: E402
+from activities.schedulers.base import SchedulerAdapter
+from activities.schedulers.local import LocalAdapter
+from benchmarks.bare import BareWorkflow, bench_noop
+from tests.conftest import binary, make_config
+from tests.pipeline_harness import setup_ledger
+from virtengine_hpc.config import Config, Secrets
+from virtengine_hpc.messages import JobResult, JobWorkflowInput
+from virtengine_hpc.models import JobSpec
+from virtengine_hpc.signing import Signer, write_private_key
+from virtengine_hpc.states import JobState
+from workers.wiring import build_worker_deps, job_settings
+from workers.worker import make_worker
+from workflows.hpc_job import SEARCH_ATTRIBUTES, initial_search_attributes
 
 
 async def run_pipeline(
