@@ -237,9 +237,10 @@ class NodeLedger:
         rows = self._read(
             "SELECT * FROM node_allowed_keys WHERE cluster_id = ? AND node_id = ?", (cluster_id, node_id)
         )
-        if not rows:
-            return None
-        row = rows[0]
+        return self._allowed_row(rows[0]) if rows else None
+
+    @staticmethod
+    def _allowed_row(row: sqlite3.Row) -> AllowedNode:
         return AllowedNode(
             cluster_id=row["cluster_id"],
             node_id=row["node_id"],
@@ -376,14 +377,13 @@ class NodeLedger:
         return [self._row(r) for r in rows]
 
     def list_allowed(self, cluster_id: str | None = None) -> list[AllowedNode]:
-        sql = "SELECT cluster_id, node_id FROM node_allowed_keys"
+        sql = "SELECT * FROM node_allowed_keys"
         rows = (
             self._read(sql + " ORDER BY cluster_id, node_id")
             if cluster_id is None
             else self._read(sql + " WHERE cluster_id = ? ORDER BY node_id", (cluster_id,))
         )
-        found = [self.allowed(r["cluster_id"], r["node_id"]) for r in rows]
-        return [a for a in found if a is not None]
+        return [self._allowed_row(row) for row in rows]
 
     def updates(self, cluster_id: str, node_id: str, limit: int = 50) -> list[MetadataUpdateRow]:
         rows = self._read(

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import sys
 import time
 from datetime import timedelta
 from typing import Any
@@ -168,7 +169,7 @@ def cmd_show(args: argparse.Namespace) -> int:
         status = asyncio.run(_workflow_status(config, cluster, args.node_id))
     except (OSError, RuntimeError) as exc:  # Temporal unreachable: the ledger still answers
         status = None
-        print(f"# workflow status unavailable: {exc}")
+        print(f"# workflow status unavailable: {exc}", file=sys.stderr)
     report = {
         "allowed": allowed.model_dump(mode="json") if allowed else None,
         "registry": row.model_dump(mode="json") if row else None,
