@@ -257,3 +257,11 @@ async def test_a_heartbeat_restarts_a_lifecycle_that_was_terminated(harness: API
         return description.run_id != first_run and await harness.state(node) is NodeState.ACTIVE
 
     await wait_for(restarted, 10, "a new run of the node's workflow")
+
+
+async def test_an_oversized_body_is_refused_without_reading_it_all(harness: APIHarness) -> None:
+    node = await registered_node(harness)
+    huge = b'{"node_id": "' + b"x" * (4 * 1024 * 1024) + b'"}'
+    answer = await harness.http.post(HB.format(node.node_id), content=huge)
+    assert answer.status_code == 413 and answer.json()["error"] == "body_too_large"
+    assert harness.rejections() == ["body_too_large"]

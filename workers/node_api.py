@@ -419,6 +419,18 @@ def create_app(api: NodeAPI) -> FastAPI:
         description="Registration and signed heartbeats of hpc-node-agent (docs/node-agent.md).",
     )
 
+    async def read_body(request: Request) -> bytes:
+        """The body, but never more than one byte past the limit (``_parse`` then answers 413)."""
+        limit = api.settings.max_body_bytes
+        chunks: list[bytes] = []
+        size = 0
+        async for chunk in request.stream():
+            chunks.append(chunk)
+            size += len(chunk)
+            if size > limit:
+                break
+        return b"".join(chunks)[: limit + 1]
+
     def respond(status: int, model: BaseModel) -> JSONResponse:
         return JSONResponse(model.model_dump(mode="json", exclude_none=True), status_code=status)
 
@@ -431,7 +443,7 @@ def create_app(api: NodeAPI) -> FastAPI:
     )
     async def register(request: Request) -> JSONResponse:
         remote = request.client.host if request.client else ""
-        return respond(*await api.register(await request.body(), remote))
+        return respond(*await api.register(await read_body(request), remote))
 
     @app.post(
         HEARTBEAT_PATH,
@@ -448,7 +460,7 @@ def create_app(api: NodeAPI) -> FastAPI:
         headers = {
             k.lower(): v for k, v in request.headers.items() if k.lower() in ("x-node-id", "x-cluster-id")
         }
-        return respond(*await api.heartbeat(node_id, await request.body(), headers, remote))
+        return respond(*await api.heartbeat(node_id, await read_body(request), headers, remote))
 
     @app.get("/healthz", summary="Liveness")
     async def healthz() -> dict[str, str]:
