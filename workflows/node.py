@@ -141,12 +141,17 @@ class NodeWorkflow:
             if self.c.state.final:
                 break
             if self._history_full() and not self._commands and self._beat is None:
-                await workflow.wait_condition(workflow.all_handlers_finished)
-                workflow.continue_as_new(
-                    self.inp.model_copy(
-                        update={"carried": self.c.model_copy(update={"runs": self.c.runs + 1})}
-                    )
+                # An update that arrives meanwhile waits for the loop: handle it first, never deadlock on it.
+                await workflow.wait_condition(
+                    lambda: workflow.all_handlers_finished() or bool(self._commands)
                 )
+                if not self._commands and self._beat is None:
+                    workflow.continue_as_new(
+                        self.inp.model_copy(
+                            update={"carried": self.c.model_copy(update={"runs": self.c.runs + 1})}
+                        )
+                    )
+                continue
             await self._sleep_until_woken()
         self._commands.clear()
         self._done = self._issued
