@@ -63,6 +63,9 @@ async def _with_agent(args: argparse.Namespace, action: str) -> int:
 
     config = _config(args)
     _setup_logging(config.log_level)
+    config.require("node-id", "cluster-id", "provider-address", "provider-daemon-url")
+    if not config.key_file.exists():
+        raise HPCError(f"no key at {config.key_file}: create one with `hpc-node-agent init --key-file PATH`")
     signer = Signer.from_file(config.key_file)
     sequence = SequenceStore(config.sequence_file, lock=action == "start")
     agent = NodeAgent(config, signer, sequence=sequence)
