@@ -129,6 +129,10 @@ def type_name(annotation: Any, info: FieldInfo) -> str:
         return "one of " + ", ".join(f"`{a}`" for a in args)
     if origin is dict:
         return f"mapping of {type_name(args[0], FieldInfo())} to {type_name(args[1], FieldInfo())}"
+    if origin is list:
+        return f"list of {type_name(args[0], FieldInfo())}"
+    if _is_section(annotation):
+        return f"section ({annotation.__name__})"
     if annotation is timedelta:
         return "duration"
     if annotation is bool:
@@ -225,6 +229,10 @@ def render_section(model: type[BaseModel], path: str) -> list[str]:
         if _is_section(info.annotation):
             subsections.append((info.annotation, f"{path}.{name}"))  # type: ignore[arg-type]
             continue
+        item = typing.get_args(info.annotation)
+        if typing.get_origin(info.annotation) is list and item and _is_section(item[0]):
+            # A list of sections (hpc.clusters): each entry's keys get their own table.
+            subsections.append((item[0], f"{path}.{name}[]"))
         description = info.description or ""
         pattern = pattern_of(info)
         if pattern:

@@ -332,6 +332,38 @@ class LocalSchedulerConfig(Section):
     )
 
 
+SchedulerType = Literal["slurm", "moab", "ood", "local"]
+_CLUSTER_ID = r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$"
+
+
+class ClusterConfig(Section):
+    """One of the provider's clusters in ``hpc.clusters``: its id, scheduler and whether this worker serves it.
+
+    A key left out takes its value from the ``hpc`` section (``scheduler_type``, ``slurm``, ``moab``, ``ood``,
+    ``local``), so clusters that share most settings repeat only what differs. See docs/production.md.
+    """
+
+    cluster_id: str = Field(pattern=_CLUSTER_ID, description="The cluster's id on chain.")
+    scheduler_type: SchedulerType | None = Field(
+        None, description="Scheduler adapter of this cluster; default: hpc.scheduler_type."
+    )
+    serve: bool = Field(
+        True,
+        description="Run this cluster's task queue (<temporal.task_queue>.<cluster_id>) in this worker. false: "
+        "workers on another host serve it; this one only routes jobs to it.",
+    )
+    slurm: SlurmConfig | None = Field(None, description="SLURM settings of this cluster; default: hpc.slurm.")
+    moab: MoabConfig | None = Field(None, description="MOAB settings of this cluster; default: hpc.moab.")
+    ood: OODConfig | None = Field(
+        None, description="Open OnDemand settings of this cluster; default: hpc.ood."
+    )
+    local: LocalSchedulerConfig | None = Field(
+        None,
+        description="Local executor settings of this cluster; default: hpc.local with its own state_dir "
+        "<state_store_path>/local-jobs/<cluster_id>.",
+    )
+
+
 class HPCConfig(Section):
     """The seed's ``hpc:`` section: which cluster this worker serves and with which scheduler."""
 
@@ -339,14 +371,15 @@ class HPCConfig(Section):
         True,
         description="Kept so the seed's configuration files load; running a worker is what turns the HPC integration on.",
     )
-    scheduler_type: Literal["slurm", "moab", "ood", "local"] = Field(
+    scheduler_type: SchedulerType = Field(
         "local",
         description="Which scheduler adapter runs this cluster's jobs: slurm, moab, ood or local (the embedded executor).",
     )
     cluster_id: str = Field(
         "local-cluster",
-        pattern=r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$",
-        description="This cluster's id on chain; the worker serves it and takes only its jobs.",
+        pattern=_CLUSTER_ID,
+        description="This cluster's id on chain; the worker serves it and takes only its jobs. With hpc.clusters: "
+        "the default cluster of commands that take --cluster (default: the first listed).",
     )
     job_service: JobServiceConfig = Field(default_factory=JobServiceConfig)
     usage_reporting: UsageReportingConfig = Field(default_factory=UsageReportingConfig)
@@ -356,6 +389,34 @@ class HPCConfig(Section):
     moab: MoabConfig = Field(default_factory=MoabConfig)
     ood: OODConfig = Field(default_factory=OODConfig)
     local: LocalSchedulerConfig = Field(default_factory=LocalSchedulerConfig)
+    clusters: list[ClusterConfig] = Field(
+        default_factory=list,
+        description="Several clusters per provider: one task queue per cluster, each with its own scheduler "
+        "settings. Empty: the one cluster above (hpc.cluster_id with hpc.scheduler_type).",
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _default_cluster_is_the_first_listed(cls, data: Any) -> Any:
+        if isinstance(data, Mapping) and "cluster_id" not in data:
+            clusters = data.get("clusters")
+            if isinstance(clusters, list) and clusters and isinstance(clusters[0], Mapping):
+                first = clusters[0].get("cluster_id")
+                if isinstance(first, str):
+                    return {**data, "cluster_id": first}
+        return data
+
+    @model_validator(mode="after")
+    def _clusters_are_unique(self) -> HPCConfig:
+        ids = [c.cluster_id for c in self.clusters]
+        duplicates = sorted({i for i in ids if ids.count(i) > 1})
+        if duplicates:
+            raise ValueError(f"hpc.clusters lists {', '.join(duplicates)} more than once")
+        if ids and self.cluster_id not in ids:
+            raise ValueError(
+                f"hpc.cluster_id {self.cluster_id} is not one of hpc.clusters ({', '.join(ids)})"
+            )
+        return self
 
     @property
     def scheduler_poll_interval(self) -> timedelta:
@@ -404,7 +465,103 @@ class TemporalConfig(Section):
     )
     tls_client_cert: Path | None = Field(None, description="Client certificate (PEM) for mutual TLS.")
     tls_client_key: Path | None = Field(None, description="Private key (PEM file) of tls_client_cert.")
-    api_key_env: str | None = Field(None, description="Name of the environment variable holding an API key.")
+    tls_server_name: str | None = Field(
+        None,
+        pattern=r"^[A-Za-z0-9_.-]{1,253}$",
+        description="Name the server's certificate is checked against (and TLS SNI), when it differs from the "
+        "host in address.",
+    )
+    api_key_env: str | None = Field(
+        None,
+        pattern=r"^[A-Za-z_][A-Za-z0-9_]{0,127}$",
+        description="Name of the environment variable holding an API key (Temporal Cloud); the key is sent "
+        "only over TLS, which it turns on.",
+    )
+    graceful_shutdown_timeout: Duration = Field(
+        timedelta(seconds=10),
+        description="On SIGTERM, how long running activities may finish before they are cancelled and handed "
+        "to another worker (systemd's TimeoutStopSec must be longer).",
+    )
+    deployment_name: str | None = Field(
+        None,
+        pattern=r"^[A-Za-z0-9._-]{1,200}$",
+        description="Worker Deployment name for worker versioning (with build_id); unset: unversioned workers.",
+    )
+    build_id: str | None = Field(
+        None,
+        pattern=r"^[A-Za-z0-9._+-]{1,200}$",
+        description="This release's build id (e.g. 0.2.0 or a git hash): the worker's deployment version when "
+        "deployment_name is set, and a label of its metrics and logs.",
+    )
+
+    @model_validator(mode="after")
+    def _client_cert_needs_key(self) -> TemporalConfig:
+        if (self.tls_client_cert is None) != (self.tls_client_key is None):
+            raise ValueError("temporal.tls_client_cert and temporal.tls_client_key go together (mutual TLS)")
+        if self.deployment_name and not self.build_id:
+            raise ValueError("temporal.deployment_name needs temporal.build_id (the version of this release)")
+        return self
+
+    @property
+    def uses_tls(self) -> bool:
+        """TLS is on when asked for, with a client certificate or CA, or with an API key (never sent in clear)."""
+        return bool(
+            self.tls
+            or self.tls_client_cert
+            or self.tls_server_ca_cert
+            or self.tls_server_name
+            or self.api_key_env
+        )
+
+
+class MetricsConfig(Section):
+    """The worker's HTTP endpoint: Prometheus ``/metrics`` and the ``/healthz`` and ``/readyz`` probes."""
+
+    listen: str | None = Field(
+        None,
+        pattern=r"^[A-Za-z0-9_.:\[\]-]{1,253}:[0-9]{1,5}$",
+        description="host:port of the endpoint (e.g. 127.0.0.1:9464); unset: no endpoint. Each process "
+        "(worker, poller) needs its own port.",
+    )
+    sdk_metrics: bool = Field(
+        True, description="Include the Temporal SDK's own metrics (temporal_*: polls, task latencies, slots)."
+    )
+    jobs_refresh_interval: Duration = Field(
+        timedelta(seconds=30),
+        description="How often the jobs-by-state gauge is read from Temporal's visibility store; 0s: never.",
+    )
+    readiness_timeout: Duration = Field(
+        timedelta(seconds=5), description="Longest wait for Temporal's health check behind /readyz."
+    )
+
+
+class LoggingConfig(Section):
+    """How the long-running processes log (docs/production.md)."""
+
+    format: Literal["text", "json"] = Field(
+        "text",
+        description="text (one readable line) or json (one object per line with job_id, workflow_id, "
+        "activity, cluster_id for log collectors).",
+    )
+    level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] | None = Field(
+        None, description="Log level; unset: the command line's --log-level (INFO)."
+    )
+
+
+class TracingConfig(Section):
+    """OpenTelemetry tracing of workflows and activities through the Temporal SDK's interceptor (optional)."""
+
+    enabled: bool = Field(
+        False, description="Trace workflow starts, workflows and activities (needs the tracing extra)."
+    )
+    otlp_endpoint: str | None = Field(
+        None,
+        description="OTLP/HTTP traces endpoint (e.g. http://127.0.0.1:4318/v1/traces); unset: the process's "
+        "global tracer provider (e.g. from opentelemetry-instrument).",
+    )
+    service_name: str = Field(
+        "virtengine-hpc", pattern=r"^[A-Za-z0-9._-]{1,100}$", description="service.name of the spans."
+    )
 
 
 class ChainConfig(Section):
@@ -476,13 +633,62 @@ class Config(Section):
     chain: ChainConfig = Field(default_factory=ChainConfig)
     provider: ProviderConfig = Field(default_factory=ProviderConfig)
     nodes: NodesConfig = Field(default_factory=NodesConfig)
+    metrics: MetricsConfig = Field(default_factory=MetricsConfig)
+    logging: LoggingConfig = Field(default_factory=LoggingConfig)
+    tracing: TracingConfig = Field(default_factory=TracingConfig)
 
     @model_validator(mode="after")
     def _jwt_needs_rest(self) -> Config:
-        slurm = self.hpc.slurm
-        if slurm.auth_method == "jwt" and slurm.transport not in (None, "rest"):
-            raise ValueError("hpc.slurm.auth_method jwt works only with transport rest (slurmrestd)")
+        sections = [("hpc.slurm", self.hpc.slurm)] + [
+            (f"hpc.clusters[{i}].slurm", c.slurm) for i, c in enumerate(self.hpc.clusters) if c.slurm
+        ]
+        for where, slurm in sections:
+            if slurm.auth_method == "jwt" and slurm.transport not in (None, "rest"):
+                raise ValueError(f"{where}.auth_method jwt works only with transport rest (slurmrestd)")
         return self
+
+    # ---- several clusters -------------------------------------------------------------------------------------
+
+    def cluster_ids(self) -> list[str]:
+        """Every cluster of the provider this config knows (each has a task queue), served here or elsewhere."""
+        return [c.cluster_id for c in self.hpc.clusters] or [self.hpc.cluster_id]
+
+    def served_cluster_ids(self) -> list[str]:
+        """The clusters whose task queues this worker runs."""
+        if not self.hpc.clusters:
+            return [self.hpc.cluster_id]
+        return [c.cluster_id for c in self.hpc.clusters if c.serve]
+
+    def for_cluster(self, cluster_id: str) -> Config:
+        """This config as a single-cluster one for ``cluster_id``: ``hpc.cluster_id``, ``hpc.scheduler_type`` and
+        the scheduler sections are that cluster's, so adapters and pollers read ``hpc.*`` unchanged.
+
+        A single-cluster config answers for any id with its own sections (one worker may serve an extra cluster
+        id with the same scheduler); a multi-cluster config refuses an id it does not list.
+        """
+        hpc = self.hpc
+        if not hpc.clusters:
+            if cluster_id == hpc.cluster_id:
+                return self
+            return self.model_copy(update={"hpc": hpc.model_copy(update={"cluster_id": cluster_id})})
+        entry = next((c for c in hpc.clusters if c.cluster_id == cluster_id), None)
+        if entry is None:
+            raise ConfigError(
+                f"cluster {cluster_id} is not in hpc.clusters ({', '.join(self.cluster_ids())})"
+            )
+        local = entry.local or hpc.local
+        if local.state_dir is None:
+            # Two local executors on one host must not share a job directory.
+            local = local.model_copy(update={"state_dir": self.state_dir / "local-jobs" / cluster_id})
+        update: dict[str, Any] = {
+            "cluster_id": cluster_id,
+            "scheduler_type": entry.scheduler_type or hpc.scheduler_type,
+            "slurm": entry.slurm or hpc.slurm,
+            "moab": entry.moab or hpc.moab,
+            "ood": entry.ood or hpc.ood,
+            "local": local,
+        }
+        return self.model_copy(update={"hpc": hpc.model_copy(update=update)})
 
     @property
     def state_dir(self) -> Path:
