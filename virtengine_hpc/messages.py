@@ -39,6 +39,11 @@ class JobSettings(Model):
     retry: RetrySettings = Field(default_factory=RetrySettings)
     max_watch_seconds: float = 3600.0
     continue_as_new_after_events: int = 8000
+    task_queues: dict[str, str] = Field(
+        default_factory=dict,
+        description="Task queue of each of the provider's clusters: a job routed to another cluster runs its "
+        "scheduler activities there (on the workers that can reach that scheduler).",
+    )
 
 
 class Carried(Model):
@@ -61,6 +66,11 @@ class Carried(Model):
     forced_message: str = ""
     deadline_grace_until: datetime | None = None
     missing_since: datetime | None = None
+    task_queue: str | None = Field(
+        None,
+        description="Where the scheduler activities run when routing moved the job to another cluster "
+        "(None: the workflow's own task queue).",
+    )
 
 
 class JobWorkflowInput(Model):

@@ -1,19 +1,22 @@
 """Builds the real dependencies of a worker from its config: Temporal client, chain, adapters, signer, audit.
 
 The only place that turns configuration into live objects; activities receive them ready-made (STYLE.md item 4).
+A worker may serve several clusters (``hpc.clusters``): it gets one adapter per served cluster, and routing knows
+every cluster of the provider, so a job can be routed to a cluster whose task queue another worker runs.
 """
 
 from __future__ import annotations
 
 import importlib
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from temporalio.client import Client
+from temporalio.client import Client, Interceptor
 from temporalio.contrib.pydantic import pydantic_data_converter
+from temporalio.runtime import Runtime
 from temporalio.service import TLSConfig
 
 from activities.audit import AuditLog
@@ -21,10 +24,13 @@ from activities.chain.client import ChainClient
 from activities.jobs import BodyResolver, JobActivities, script_only_body
 from activities.routing import CapacityProbe, RoutingEnforcer
 from activities.schedulers.base import SchedulerAdapter, registered
-from virtengine_hpc.config import Config, Secrets
-from virtengine_hpc.errors import ConfigError, SecurityError
+from virtengine_hpc.config import Config, Secrets, TemporalConfig
+from virtengine_hpc.errors import ConfigError, HPCError, SecurityError
 from virtengine_hpc.messages import JobSettings, RetrySettings
 from virtengine_hpc.signing import Signer
+
+if TYPE_CHECKING:
+    from workers.metrics import WorkerMetrics
 
 # Modules that register adapters with @register(name) when imported. Optional ones may be absent.
 ADAPTER_MODULES = {
@@ -35,13 +41,26 @@ ADAPTER_MODULES = {
 }
 
 
+class TemporalUnavailable(HPCError):
+    """Temporal cannot be reached, or refused the connection (address, TLS, certificates, API key)."""
+
+    code = "temporal_unavailable"
+    transient = True
+
+
 def task_queue(config: Config, cluster_id: str | None = None) -> str:
     """One task queue per cluster, so a cluster's activities run on workers that can reach its scheduler."""
     return f"{config.temporal.task_queue}.{cluster_id or config.hpc.cluster_id}"
 
 
-def job_settings(config: Config) -> JobSettings:
-    hpc = config.hpc
+def task_queues(config: Config) -> dict[str, str]:
+    """The task queue of every cluster of the provider (served here or by other workers)."""
+    return {cluster_id: task_queue(config, cluster_id) for cluster_id in config.cluster_ids()}
+
+
+def job_settings(config: Config, cluster_id: str | None = None) -> JobSettings:
+    """What a job workflow of ``cluster_id`` (default ``hpc.cluster_id``) needs from the config."""
+    hpc = config.for_cluster(cluster_id).hpc if cluster_id else config.hpc
     return JobSettings(
         poll_interval_seconds=hpc.scheduler_poll_interval.total_seconds(),
         report_interval_seconds=hpc.usage_reporting.report_interval.total_seconds(),
@@ -55,23 +74,125 @@ def job_settings(config: Config) -> JobSettings:
             max_backoff_seconds=hpc.retry.max_backoff.total_seconds(),
             backoff_multiplier=hpc.retry.backoff_multiplier,
         ),
+        task_queues=task_queues(config),
     )
 
 
-async def connect(config: Config, secrets: Secrets | None = None) -> Client:
-    """Connect to Temporal with the pydantic converter (every client: workers, poller, CLI, tests)."""
-    t = config.temporal
-    tls: TLSConfig | bool = False
-    if t.tls or t.tls_client_cert:
-        tls = TLSConfig(
-            server_root_ca_cert=Path(t.tls_server_ca_cert).read_bytes() if t.tls_server_ca_cert else None,
-            client_cert=Path(t.tls_client_cert).read_bytes() if t.tls_client_cert else None,
-            client_private_key=Path(t.tls_client_key).read_bytes() if t.tls_client_key else None,
+def _read_pem(path: Path, key: str, what: str) -> bytes:
+    try:
+        data = Path(path).read_bytes()
+    except OSError as exc:
+        raise ConfigError(f"temporal.{key}: cannot read {what} {path}: {exc.strerror or exc}") from None
+    if b"-----BEGIN " not in data:
+        raise ConfigError(f"temporal.{key}: {path} is not a PEM file ({what})")
+    return data
+
+
+def tls_config(t: TemporalConfig) -> TLSConfig | bool:
+    """The SDK's TLS settings from ``temporal.tls*``; ``False`` for plaintext (a local dev server).
+
+    Certificates are read once here, so a missing or unreadable file is a ``ConfigError`` naming the key, not a
+    handshake failure later. Without ``tls_server_ca_cert`` the system's roots verify the server.
+    """
+    if not t.uses_tls:
+        return False
+    return TLSConfig(
+        server_root_ca_cert=_read_pem(t.tls_server_ca_cert, "tls_server_ca_cert", "CA certificate")
+        if t.tls_server_ca_cert
+        else None,
+        client_cert=_read_pem(t.tls_client_cert, "tls_client_cert", "client certificate")
+        if t.tls_client_cert
+        else None,
+        client_private_key=_read_pem(t.tls_client_key, "tls_client_key", "client key")
+        if t.tls_client_key
+        else None,
+        domain=t.tls_server_name,
+    )
+
+
+def api_key(t: TemporalConfig, env: os._Environ[str] | dict[str, str] | None = None) -> str | None:
+    """The API key from the variable ``temporal.api_key_env`` names; a named but empty variable is an error
+    (a worker that silently connects without its key fails later with a confusing permission error)."""
+    if not t.api_key_env:
+        return None
+    value = (os.environ if env is None else env).get(t.api_key_env, "").strip()
+    if not value:
+        raise ConfigError(
+            f"temporal.api_key_env names {t.api_key_env}, but that environment variable is not set or empty"
         )
-    api_key = os.environ.get(t.api_key_env) if t.api_key_env else None
-    return await Client.connect(
-        t.address, namespace=t.namespace, tls=tls, api_key=api_key, data_converter=pydantic_data_converter
-    )
+    return value
+
+
+async def connect(
+    config: Config,
+    secrets: Secrets | None = None,
+    *,
+    runtime: Runtime | None = None,
+    interceptors: Sequence[Interceptor] = (),
+    identity: str | None = None,
+) -> Client:
+    """Connect to Temporal with the pydantic converter (every client: workers, poller, CLI, tests).
+
+    ``temporal.address`` and ``namespace``, TLS or mutual TLS from certificate files, an API key from the
+    environment (docs/production.md). Raises ``ConfigError`` for unusable settings and ``TemporalUnavailable``
+    (with the address and the cause, never the key) when the server cannot be reached or refuses the handshake.
+    """
+    t = config.temporal
+    tls = tls_config(t)
+    key = api_key(t)
+    try:
+        return await Client.connect(
+            t.address,
+            namespace=t.namespace,
+            tls=tls,
+            api_key=key,
+            data_converter=pydantic_data_converter,
+            runtime=runtime,
+            interceptors=interceptors,
+            identity=identity,
+        )
+    except RuntimeError as exc:
+        cause = str(exc).removeprefix("Failed client connect: ")
+        if key:
+            cause = cause.replace(key, "[api key]")
+        mode = "mutual TLS" if t.tls_client_cert else "TLS" if tls else "plaintext"
+        raise TemporalUnavailable(
+            f"cannot connect to Temporal at {t.address} (namespace {t.namespace}, {mode}): {cause[:400]}"
+        ) from None
+
+
+def tracing_interceptors(config: Config) -> list[Interceptor]:
+    """The Temporal SDK's OpenTelemetry interceptor when ``tracing.enabled`` (the optional ``tracing`` extra).
+
+    Spans cover workflow starts (poller, CLI), workflow runs, signals and queries, and every activity, with
+    Temporal's trace context carried in headers across processes. With ``tracing.otlp_endpoint`` this process
+    exports them over OTLP/HTTP; without it, spans go to the global tracer provider the process already has
+    (set up by ``opentelemetry-instrument`` or by the embedding application).
+    """
+    tracing = config.tracing
+    if not tracing.enabled:
+        return []
+    hint = "install the tracing extra: pip install 'virtengine-hpc[tracing]'"
+    try:
+        from opentelemetry import trace
+        from temporalio.contrib.opentelemetry import TracingInterceptor
+    except ImportError as exc:
+        raise ConfigError(f"tracing.enabled needs OpenTelemetry ({exc.name} is missing); {hint}") from None
+    if tracing.otlp_endpoint:
+        try:
+            from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+            from opentelemetry.sdk.resources import Resource
+            from opentelemetry.sdk.trace import TracerProvider
+            from opentelemetry.sdk.trace.export import BatchSpanProcessor
+        except ImportError as exc:
+            raise ConfigError(
+                f"tracing.otlp_endpoint needs the OpenTelemetry SDK and OTLP exporter ({exc.name} is missing); "
+                f"{hint}"
+            ) from None
+        provider = TracerProvider(resource=Resource.create({"service.name": tracing.service_name}))
+        provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=tracing.otlp_endpoint)))
+        trace.set_tracer_provider(provider)
+    return [TracingInterceptor(trace.get_tracer(tracing.service_name))]
 
 
 def open_chain(config: Config) -> ChainClient:
@@ -81,6 +202,9 @@ def open_chain(config: Config) -> ChainClient:
 
 
 def build_adapter(config: Config, secrets: Secrets, cluster_id: str | None = None) -> SchedulerAdapter:
+    """The adapter of ``cluster_id`` (default ``hpc.cluster_id``), from that cluster's scheduler settings."""
+    cluster_id = cluster_id or config.hpc.cluster_id
+    config = config.for_cluster(cluster_id)
     kind = config.hpc.scheduler_type
     module = ADAPTER_MODULES.get(kind)
     if module is None:
@@ -92,7 +216,7 @@ def build_adapter(config: Config, secrets: Secrets, cluster_id: str | None = Non
     factory = registered().get(kind)
     if factory is None:
         raise ConfigError(f"hpc.scheduler_type: no adapter registered as {kind!r}")
-    return factory.from_config(config, secrets, cluster_id or config.hpc.cluster_id)
+    return factory.from_config(config, secrets, cluster_id)
 
 
 def load_signer(secrets: Secrets) -> Signer:
@@ -104,12 +228,17 @@ def load_signer(secrets: Secrets) -> Signer:
     return Signer.from_file(secrets.provider_signing_key_path)
 
 
-def body_resolver() -> BodyResolver:
-    """The template renderer when templates are installed, else scripts only."""
+def body_resolver(chain: ChainClient | None = None, audit: AuditLog | None = None) -> BodyResolver:
+    """The template resolver when templates are installed (with the chain: custom templates and price checks),
+    else scripts only."""
     try:
         module = importlib.import_module("activities.templates")
     except ModuleNotFoundError:
         return script_only_body
+    factory = getattr(module, "make_resolver", None)
+    if factory is not None and chain is not None and audit is not None:
+        made: BodyResolver = factory(chain, audit)
+        return made
     resolver: BodyResolver = getattr(module, "resolve_body", script_only_body)
     return resolver
 
@@ -123,10 +252,20 @@ class WorkerDeps:
     adapters: dict[str, SchedulerAdapter]
     activities: JobActivities
     extra_activities: list[Callable[..., Any]] = field(default_factory=list)
+    extra_workflows: list[type] = field(default_factory=list)
+    metrics: WorkerMetrics | None = None
+    closers: list[Callable[[], None]] = field(default_factory=list)
+
+    @property
+    def cluster_ids(self) -> list[str]:
+        """The clusters this worker serves (one task queue each)."""
+        return list(self.adapters)
 
     async def close(self) -> None:
         for adapter in self.adapters.values():
             await adapter.close()
+        for close in self.closers:
+            close()
 
 
 def build_worker_deps(
@@ -136,13 +275,51 @@ def build_worker_deps(
     chain: ChainClient | None = None,
     adapters: dict[str, SchedulerAdapter] | None = None,
     capacity_probe: CapacityProbe | None = None,
+    clusters: Sequence[str] | None = None,
+    metrics: WorkerMetrics | None = None,
+    nodes: bool = True,
+    node_capacity: bool = False,
 ) -> WorkerDeps:
+    """Everything a worker runs, for the clusters it serves.
+
+    ``clusters`` (default: ``Config.served_cluster_ids``) chooses the served clusters, one adapter each; tests
+    pass ``adapters`` instead. Routing may send a job to any cluster of the provider the config lists. With
+    ``metrics``, audit events, scheduler calls and status queries are counted (``workers/metrics.py``). With
+    ``nodes``, the worker also runs the node lifecycle (``NodeWorkflow``), whose signals the node API sends to
+    the cluster's task queue; with ``node_capacity`` as well, routing checks a cluster's room against its active
+    nodes (those whose heartbeats have not gone quiet) once any node of it has registered.
+    """
     chain = chain or open_chain(config)
-    audit = AuditLog(config.hpc.audit)
+    node_ledger = None
+    if nodes:
+        from activities.chain.node_ledger import NodeLedger
+
+        node_ledger = NodeLedger(config.ledger_path)
+        if node_capacity and capacity_probe is None:
+            capacity_probe = node_ledger.available_nodes
+    if metrics is not None:
+        from workers.metrics import MeteredAuditLog
+
+        audit: AuditLog = MeteredAuditLog(config.hpc.audit, metrics)
+    else:
+        audit = AuditLog(config.hpc.audit)
     signer = load_signer(secrets)
-    adapters = adapters or {config.hpc.cluster_id: build_adapter(config, secrets)}
+    if adapters is None:
+        served = list(clusters) if clusters else config.served_cluster_ids()
+        if not served:
+            raise ConfigError("hpc.clusters: this worker serves no cluster (every entry has serve: false)")
+        adapters = {cluster_id: build_adapter(config, secrets, cluster_id) for cluster_id in served}
+    if metrics is not None:
+        from workers.metrics import instrument_adapter
+
+        for cluster_id, adapter in adapters.items():
+            instrument_adapter(adapter, cluster_id, metrics)
     enforcer = RoutingEnforcer(
-        chain, audit, config.routing, served_clusters=frozenset(adapters), capacity_probe=capacity_probe
+        chain,
+        audit,
+        config.routing,
+        served_clusters=frozenset(adapters) | frozenset(config.cluster_ids()),
+        capacity_probe=capacity_probe,
     )
     activities = JobActivities(
         config=config,
@@ -151,6 +328,16 @@ def build_worker_deps(
         signer=signer,
         audit=audit,
         enforcer=enforcer,
-        resolve_body=body_resolver(),
+        resolve_body=body_resolver(chain, audit),
     )
-    return WorkerDeps(config, chain, audit, signer, adapters, activities)
+    deps = WorkerDeps(config, chain, audit, signer, adapters, activities, metrics=metrics)
+    if metrics is not None:
+        metrics.watch_batchers(activities)
+    if node_ledger is not None:
+        from activities.nodes import NodeActivities
+        from workflows.node import NodeWorkflow
+
+        deps.extra_activities.extend(NodeActivities(node_ledger, adapters, audit).all())
+        deps.extra_workflows.append(NodeWorkflow)
+        deps.closers.append(node_ledger.close)
+    return deps

@@ -1,25 +1,49 @@
-"""The worker process: runs HPCJobWorkflow and its activities for one cluster (and, optionally, the poller).
+"""The worker process: runs HPCJobWorkflow, NodeWorkflow and their activities for one or several clusters
+(and, optionally, the chain poller).
 
 Recovery needs no state of its own: kill the process at any instant and start another; Temporal replays every
-workflow and the idempotent activities pick up where the dead worker stopped.
+workflow and the idempotent activities pick up where the dead worker stopped. A planned stop is gentler: SIGTERM
+turns readiness off, stops polling for new tasks, gives running activities ``temporal.graceful_shutdown_timeout``
+to finish, then cancels the rest, which Temporal retries at once on the other workers of the same task queues
+(docs/production.md, "Graceful shutdown").
+
+One process serves every cluster in ``Config.served_cluster_ids`` (or those given), one Temporal ``Worker`` per
+cluster task queue, sharing one client, one set of activities and one metrics registry.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import signal
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
 
 from temporalio.client import Client
-from temporalio.worker import Worker
+from temporalio.common import VersioningBehavior
+from temporalio.worker import Worker, WorkerDeploymentConfig, WorkerDeploymentVersion
 
+from activities.audit import AuditLog
+from activities.chain.client import ChainClient
 from activities.jobs import JobActivities
+from activities.schedulers.base import SchedulerAdapter
 from virtengine_hpc.config import Config, Secrets
+from virtengine_hpc.errors import HPCError
+from virtengine_hpc.logging import setup_logging
+from workers.health import HealthServer, Probes
+from workers.metrics import MeteredAuditLog, MetricsSource, WorkerMetrics, keep_job_gauge_fresh, make_runtime
 from workers.poller import ChainPoller
-from workers.wiring import WorkerDeps, build_worker_deps, connect, job_settings, task_queue
+from workers.wiring import (
+    WorkerDeps,
+    build_worker_deps,
+    connect,
+    job_settings,
+    open_chain,
+    task_queue,
+    tracing_interceptors,
+)
 from workflows.hpc_job import HPCJobWorkflow
 
 log = logging.getLogger(__name__)
@@ -36,71 +60,293 @@ def job_activities(acts: JobActivities) -> list[Callable[..., Any]]:
     ]
 
 
-def make_worker(client: Client, deps: WorkerDeps, *, queue: str | None = None) -> Worker:
+def deployment_config(config: Config) -> WorkerDeploymentConfig | None:
+    """Worker versioning when ``temporal.deployment_name`` is set (docs/deploys.md).
+
+    Workflows default to auto-upgrade: a job that runs for days moves to the new build at its next workflow
+    task, which is safe because workflow changes go behind ``workflow.patched`` and CI replays the previous
+    release's histories. (Pinning would keep the old build's workers alive until the last old job ends.)
+    """
+    t = config.temporal
+    if not t.deployment_name or not t.build_id:
+        return None
+    return WorkerDeploymentConfig(
+        version=WorkerDeploymentVersion(deployment_name=t.deployment_name, build_id=t.build_id),
+        use_worker_versioning=True,
+        default_versioning_behavior=VersioningBehavior.AUTO_UPGRADE,
+    )
+
+
+def make_worker(
+    client: Client, deps: WorkerDeps, *, queue: str | None = None, cluster_id: str | None = None
+) -> Worker:
+    """The Temporal worker of one cluster's task queue (``queue`` overrides it; tests use random queues)."""
     config = deps.config
     limit = config.hpc.job_service.max_concurrent_jobs
     return Worker(
         client,
-        task_queue=queue or task_queue(config),
-        workflows=[HPCJobWorkflow],
+        task_queue=queue or task_queue(config, cluster_id),
+        workflows=[HPCJobWorkflow, *deps.extra_workflows],
         activities=[*job_activities(deps.activities), *deps.extra_activities],
         # Every running job holds one long watch activity; leave room for the short ones beside them.
         max_concurrent_activities=2 * limit + 50,
         max_concurrent_workflow_tasks=100,
         sticky_queue_schedule_to_start_timeout=timedelta(seconds=3),
-        graceful_shutdown_timeout=timedelta(seconds=10),
+        graceful_shutdown_timeout=config.temporal.graceful_shutdown_timeout,
+        deployment_config=deployment_config(config),
     )
 
 
-async def run_worker(config: Config, *, with_poller: bool = False) -> None:
-    secrets = Secrets.from_env()
-    client = await connect(config, secrets)
-    deps = build_worker_deps(config, secrets)
-    worker = make_worker(client, deps)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    deps.audit.record(
-        "service_started", cluster_id=config.hpc.cluster_id, details={"task_queue": task_queue(config)}
-    )
-    tasks = [asyncio.create_task(worker.run())]
-    if with_poller:
-        poller = ChainPoller(
-            client,
-            deps.chain,
+def _process_logging(config: Config, role: str) -> None:
+    static = {"role": role}
+    if config.temporal.build_id:
+        static["build_id"] = config.temporal.build_id
+    if config.logging.format == "json" or config.logging.level:
+        setup_logging(config.logging.format, config.logging.level, static=static)
+
+
+class WorkerProcess:
+    """A whole worker process, startable and stoppable in-process (tests) or from ``run_worker`` (production).
+
+    ``chain`` and ``adapters`` replace the configured ones (tests); ``clusters`` limits the served clusters.
+    """
+
+    def __init__(
+        self,
+        config: Config,
+        secrets: Secrets,
+        *,
+        with_poller: bool = False,
+        clusters: Sequence[str] | None = None,
+        chain: ChainClient | None = None,
+        adapters: dict[str, SchedulerAdapter] | None = None,
+        client: Client | None = None,
+    ) -> None:
+        self.config = config
+        self.secrets = secrets
+        self.with_poller = with_poller
+        self.clusters = list(clusters) if clusters else None
+        self._chain = chain
+        self._adapters = adapters
+        self.client = client
+        self.metrics = WorkerMetrics()
+        self.deps: WorkerDeps | None = None
+        self.workers: dict[str, Worker] = {}
+        self.pollers: list[ChainPoller] = []
+        self.health: HealthServer | None = None
+        self.stopping = False
+        self._stopped = False
+        self._stop = asyncio.Event()
+        self._worker_tasks: dict[str, asyncio.Task[None]] = {}
+        self._side_tasks: list[asyncio.Task[None]] = []
+
+    @property
+    def cluster_ids(self) -> list[str]:
+        return list(self.workers)
+
+    async def start(self) -> None:
+        config = self.config
+        sdk_url = None
+        if self.client is None:
+            runtime, sdk_url = make_runtime(
+                sdk_metrics=bool(config.metrics.listen and config.metrics.sdk_metrics),
+                forward_logs=config.logging.format == "json",
+            )
+            self.client = await connect(
+                config, self.secrets, runtime=runtime, interceptors=tracing_interceptors(config)
+            )
+        client = self.client
+        deps = build_worker_deps(
             config,
-            deps.audit,
-            task_queue=task_queue(config),
-            settings=job_settings(config),
+            self.secrets,
+            chain=self._chain,
+            adapters=self._adapters,
+            clusters=self.clusters,
+            metrics=self.metrics,
+            node_capacity=True,
         )
-        tasks.append(asyncio.create_task(poller.run(stop)))
-    log.info("worker for cluster %s on task queue %s", config.hpc.cluster_id, task_queue(config))
-    await stop.wait()
-    await worker.shutdown()
-    for task in tasks:
-        task.cancel()
-    await asyncio.gather(*tasks, return_exceptions=True)
-    await deps.close()
-    deps.audit.record("service_stopped", cluster_id=config.hpc.cluster_id)
+        self.deps = deps
+        self.metrics.up.labels(config.temporal.build_id or "", ",".join(deps.cluster_ids)).set(1)
+        for cluster_id in deps.cluster_ids:
+            worker = make_worker(client, deps, cluster_id=cluster_id)
+            self.workers[cluster_id] = worker
+            self._worker_tasks[cluster_id] = asyncio.create_task(worker.run(), name=f"worker-{cluster_id}")
+        if self.with_poller:
+            self.pollers = [
+                _poller(client, deps.chain, config, deps.audit, cluster_id) for cluster_id in deps.cluster_ids
+            ]
+            self._side_tasks += [asyncio.create_task(p.run(self._stop)) for p in self.pollers]
+        interval = config.metrics.jobs_refresh_interval.total_seconds()
+        if config.metrics.listen and interval > 0:
+            self._side_tasks.append(
+                asyncio.create_task(
+                    keep_job_gauge_fresh(client, self.metrics, config.cluster_ids(), interval, self._stop)
+                )
+            )
+        if config.metrics.listen:
+            self.health = HealthServer(
+                config.metrics.listen, self._probes(MetricsSource(self.metrics, sdk_url))
+            )
+            await self.health.start()
+        for cluster_id in deps.cluster_ids:
+            deps.audit.record(
+                "service_started",
+                cluster_id=cluster_id,
+                details={
+                    "service": "worker",
+                    "task_queue": task_queue(config, cluster_id),
+                    "poller": self.with_poller,
+                    "build_id": config.temporal.build_id,
+                },
+            )
+            log.info("worker for cluster %s on task queue %s", cluster_id, task_queue(config, cluster_id))
+
+    def _probes(self, metrics: MetricsSource) -> Probes:
+        client, deps = self.client, self.deps
+        assert client is not None and deps is not None
+        timeout = self.config.metrics.readiness_timeout
+
+        async def temporal() -> None:
+            if not await client.service_client.check_health(timeout=timeout):
+                raise HPCError("Temporal answers but its workflow service is not serving")
+
+        async def chain() -> None:
+            await deps.chain.current_height()
+
+        return Probes(
+            live=self.problems,
+            checks={"temporal": temporal, "chain": chain},
+            metrics=metrics,
+            stopping=lambda: self.stopping,
+            check_timeout=timeout.total_seconds(),
+        )
+
+    def problems(self) -> list[str]:
+        """Why the process is not alive: a Temporal worker that stopped without being asked to."""
+        found = []
+        for cluster_id, task in self._worker_tasks.items():
+            if task.done() and not self.stopping:
+                exc = None if task.cancelled() else task.exception()
+                found.append(f"worker for cluster {cluster_id} stopped: {exc or 'without an error'}")
+        return found
+
+    async def wait(self) -> None:
+        """Until ``stop()`` is asked for or a worker fails (raised as ``HPCError`` after a clean stop)."""
+        stop = asyncio.create_task(self._stop.wait())
+        await asyncio.wait([stop, *self._worker_tasks.values()], return_when=asyncio.FIRST_COMPLETED)
+        stop.cancel()
+        problems = self.problems()
+        if problems:
+            await self.stop()
+            raise HPCError("; ".join(problems))
+
+    def request_stop(self) -> None:
+        if self.stopping:
+            log.warning("already stopping; send SIGKILL to stop at once")
+        self.stopping = True
+        self._stop.set()
+
+    async def stop(self) -> None:
+        """Graceful shutdown: readiness off, no new tasks, running activities finish or are handed over."""
+        if self._stopped:
+            return
+        self._stopped = True
+        self.stopping = True
+        self._stop.set()
+        log.info(
+            "stopping: running activities get %s s to finish, the rest are retried on other workers",
+            self.config.temporal.graceful_shutdown_timeout.total_seconds(),
+        )
+        await asyncio.gather(*(w.shutdown() for w in self.workers.values()), return_exceptions=True)
+        for task in self._side_tasks:
+            task.cancel()
+        await asyncio.gather(*self._worker_tasks.values(), *self._side_tasks, return_exceptions=True)
+        if self.health is not None:
+            await self.health.stop()
+        if self.deps is not None:
+            await self.deps.close()
+            for cluster_id in self.deps.cluster_ids:
+                self.deps.audit.record(
+                    "service_stopped", cluster_id=cluster_id, details={"service": "worker"}
+                )
+        log.info("stopped")
 
 
-async def run_poller(config: Config) -> None:
-    from activities.audit import AuditLog
-    from workers.wiring import open_chain
-
-    client = await connect(config)
-    audit = AuditLog(config.hpc.audit)
-    poller = ChainPoller(
+def _poller(
+    client: Client, chain: ChainClient, config: Config, audit: AuditLog, cluster_id: str
+) -> ChainPoller:
+    return ChainPoller(
         client,
-        open_chain(config),
-        config,
+        chain,
+        config.for_cluster(cluster_id),
         audit,
-        task_queue=task_queue(config),
-        settings=job_settings(config),
+        task_queue=task_queue(config, cluster_id),
+        settings=job_settings(config, cluster_id),
     )
-    stop = asyncio.Event()
+
+
+@contextlib.contextmanager
+def _stop_on_signals(stop: Callable[[], None]) -> Any:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    await poller.run(stop)
+        loop.add_signal_handler(sig, stop)
+    try:
+        yield
+    finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
+
+
+async def run_worker(
+    config: Config, *, with_poller: bool = False, clusters: Sequence[str] | None = None
+) -> None:
+    """``virtengine-hpc worker run``: serve the configured clusters until SIGTERM or SIGINT."""
+    _process_logging(config, "worker")
+    process = WorkerProcess(config, Secrets.from_env(), with_poller=with_poller, clusters=clusters)
+    with _stop_on_signals(process.request_stop):
+        try:
+            await process.start()
+            await process.wait()
+        finally:
+            await process.stop()
+
+
+async def run_poller(config: Config, *, clusters: Sequence[str] | None = None) -> None:
+    """``virtengine-hpc poller run``: start workflows for the pending jobs of the served clusters."""
+    _process_logging(config, "poller")
+    runtime, sdk_url = make_runtime(
+        sdk_metrics=bool(config.metrics.listen and config.metrics.sdk_metrics),
+        forward_logs=config.logging.format == "json",
+    )
+    client = await connect(config, runtime=runtime, interceptors=tracing_interceptors(config))
+    metrics = WorkerMetrics()
+    audit = MeteredAuditLog(config.hpc.audit, metrics)
+    chain = open_chain(config)
+    served = list(clusters) if clusters else config.served_cluster_ids()
+    pollers = [_poller(client, chain, config, audit, cluster_id) for cluster_id in served]
+    stop = asyncio.Event()
+    health = None
+    if config.metrics.listen:
+
+        async def temporal() -> None:
+            if not await client.service_client.check_health(timeout=config.metrics.readiness_timeout):
+                raise HPCError("Temporal answers but its workflow service is not serving")
+
+        async def ledger() -> None:
+            await chain.current_height()
+
+        health = HealthServer(
+            config.metrics.listen,
+            Probes(
+                checks={"temporal": temporal, "chain": ledger},
+                metrics=MetricsSource(metrics, sdk_url),
+                stopping=stop.is_set,
+                check_timeout=config.metrics.readiness_timeout.total_seconds(),
+            ),
+        )
+        await health.start()
+    with _stop_on_signals(stop.set):
+        log.info("chain poller for clusters %s", ", ".join(served))
+        await asyncio.gather(*(p.run(stop) for p in pollers))
+    if health is not None:
+        await health.stop()

@@ -48,6 +48,8 @@ SEARCH_ATTRIBUTES = (SA_STATE, SA_CLUSTER, SA_SCHEDULER_JOB, SA_TENANT, SA_TEMPL
 
 # Short activities heartbeat every 2 s while they wait on the scheduler; a dead worker is noticed within this.
 SHORT_HEARTBEAT = timedelta(seconds=10)
+PATCH_MULTI_CLUSTER = "multi-cluster-task-queues"
+"""Since 0.2: a job routed to another cluster runs its scheduler activities on that cluster's task queue."""
 _NON_RETRYABLE = [
     "ValidationError",
     "ConfigError",
@@ -157,6 +159,7 @@ class HPCJobWorkflow:
             return
         if outcome.cluster_id != self.c.cluster_id:
             self.c = self.c.model_copy(update={"cluster_id": outcome.cluster_id})
+            self._follow_cluster()
         if self.c.cancel_requested:
             await self._finish(JobState.CANCELLED, self.c.cancel_reason)
             return
@@ -171,6 +174,7 @@ class HPCJobWorkflow:
                     body=outcome.body,
                     max_attempts=self.settings.retry.max_retries + 1,
                 ),
+                task_queue=self.c.task_queue,
                 start_to_close_timeout=timedelta(seconds=300),
                 heartbeat_timeout=SHORT_HEARTBEAT,
                 retry_policy=self._retry(),
@@ -184,6 +188,22 @@ class HPCJobWorkflow:
         )
         workflow.upsert_search_attributes([SA_SCHEDULER_JOB.value_set(submitted.scheduler_job_id)])
         await self._transition(JobState.QUEUED, LifecycleEvent.SUBMITTED, "accepted by the scheduler")
+
+    def _follow_cluster(self) -> None:
+        """Routing moved the job to another cluster: send its scheduler activities (submit, watch, cancel, usage)
+        to that cluster's task queue, where the workers that reach its scheduler listen. Route, transitions and
+        workflow tasks stay on the workflow's own queue (they need only the chain).
+
+        Workflows that started before 0.2 ran everything on their own queue; ``workflow.patched`` keeps their
+        histories replaying (tests/test_replay.py).
+        """
+        if not workflow.patched(PATCH_MULTI_CLUSTER):
+            return
+        queue = self.settings.task_queues.get(self.c.cluster_id)
+        if queue == workflow.info().task_queue:
+            queue = None
+        self.c = self.c.model_copy(update={"task_queue": queue})
+        workflow.upsert_search_attributes([SA_CLUSTER.value_set(self.c.cluster_id)])
 
     async def _watch_once(self) -> None:
         assert self.c.scheduler_job_id is not None
@@ -219,6 +239,7 @@ class HPCJobWorkflow:
         handle = workflow.start_activity(
             "watch_job",
             request,
+            task_queue=self.c.task_queue,
             start_to_close_timeout=(return_by - now) + timedelta(seconds=4 * poll + 120),
             heartbeat_timeout=timedelta(seconds=max(10.0, 4 * poll)),
             retry_policy=self._retry(unlimited=True),
@@ -323,6 +344,7 @@ class HPCJobWorkflow:
                     accept_partial=partial,
                     max_attempts=0 if unlimited else self.settings.retry.max_retries + 1,
                 ),
+                task_queue=self.c.task_queue,
                 start_to_close_timeout=timedelta(seconds=300),
                 heartbeat_timeout=SHORT_HEARTBEAT,
                 retry_policy=self._retry(unlimited=unlimited),
@@ -354,6 +376,7 @@ class HPCJobWorkflow:
                     scheduler_job_id=self.c.scheduler_job_id,
                     reason=reason,
                 ),
+                task_queue=self.c.task_queue,
                 start_to_close_timeout=timedelta(seconds=120),
                 heartbeat_timeout=SHORT_HEARTBEAT,
                 retry_policy=self._retry(),
