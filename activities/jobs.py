@@ -23,6 +23,7 @@ from activities.chain.client import AccountingReport, ChainClient, StatusReport
 from activities.routing import RoutingEnforcer
 from activities.schedulers.base import Accounting, SchedulerAdapter, SubmitRequest
 from activities.schedulers.batcher import StatusBatcher
+from activities.usage_batcher import UsageBatcher
 from virtengine_hpc.config import Config
 from virtengine_hpc.errors import ChainError, HPCError, JobNotFound, SchedulerError, ValidationError
 from virtengine_hpc.messages import (
@@ -99,6 +100,8 @@ class JobActivities:
         self.enforcer = enforcer
         self.resolve_body = resolve_body
         self.batchers: dict[str, StatusBatcher] = {}
+        # Usage records of concurrent activities go to the chain together, batch_size at a time.
+        self.usage_batcher = UsageBatcher(chain, config.hpc.usage_reporting.batch_size)
 
     def adapter(self, cluster_id: str) -> SchedulerAdapter:
         try:
@@ -328,7 +331,7 @@ class JobActivities:
                 cumulative = _add(request.previous_cumulative, record)
             else:
                 record, cumulative = await heartbeating(self._new_record(request, rid))
-                result = await self.chain.submit_usage([record])
+                result = await self.usage_batcher.submit(record)
                 if rid not in result.accepted and rid not in result.duplicates:
                     raise ChainError(f"chain did not take usage record {rid}", transient=True)
                 self.audit.record(

@@ -23,6 +23,7 @@ from virtengine_hpc.models import (
     UsageRecord,
 )
 from virtengine_hpc.states import JobState
+from virtengine_hpc.templates.model import TemplateRecord
 
 
 class ChainJob(Model):
@@ -105,4 +106,8 @@ class ChainClient(Protocol):
 
     async def report_accounting(self, report: AccountingReport) -> Settlement:
         """Record the final accounting of a finished job and settle it from escrow (once)."""
+        ...
+
+    async def get_template(self, template_id: str) -> TemplateRecord | None:
+        """A custom workload template as the chain holds it (signed, with governance's decision), if any."""
         ...

@@ -32,7 +32,7 @@ import sqlite3
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from datetime import UTC, datetime, timedelta
-from decimal import ROUND_HALF_EVEN, Decimal, InvalidOperation, localcontext
+from decimal import ROUND_HALF_EVEN, Decimal, InvalidOperation
 from pathlib import Path
 from typing import Any, Literal
 
@@ -55,8 +55,11 @@ from virtengine_hpc.models import (
     UsageMetrics,
     UsageRecord,
 )
+from virtengine_hpc.pricing import PriceLine, rate_usage, usage_lines
 from virtengine_hpc.signing import key_id, public_key_from_b64
 from virtengine_hpc.states import JobState, transition_path
+from virtengine_hpc.templates.builtins import is_builtin
+from virtengine_hpc.templates.model import SignedTemplate, TemplateRecord
 from virtengine_hpc.usage import record_id as make_record_id
 from virtengine_hpc.usage import sum_metrics, verify_record
 
@@ -165,6 +168,23 @@ CREATE TABLE IF NOT EXISTS settlements (
     kind TEXT NOT NULL,
     data TEXT NOT NULL
 );
+CREATE TABLE IF NOT EXISTS publisher_keys (
+    publisher TEXT NOT NULL,
+    key_id TEXT NOT NULL,
+    public_key TEXT NOT NULL,
+    registered_at TEXT NOT NULL,
+    PRIMARY KEY (publisher, key_id)
+);
+CREATE TABLE IF NOT EXISTS templates (
+    seq INTEGER PRIMARY KEY AUTOINCREMENT,
+    template_id TEXT NOT NULL,
+    version TEXT NOT NULL,
+    publisher TEXT NOT NULL,
+    status TEXT NOT NULL,
+    data TEXT NOT NULL,
+    UNIQUE (template_id, version)
+);
+CREATE INDEX IF NOT EXISTS templates_by_id ON templates (template_id, seq);
 """
 
 
@@ -215,6 +235,40 @@ class Transfer(Model):
     account: str
     amount: Decimal
     job_id: str | None = None
+
+
+class JobCharge(Model):
+    """What a job costs its tenant and earns its provider: escrow, and once settled, charged and refunded."""
+
+    job_id: str
+    tenant: str
+    provider: str
+    offering_id: str
+    state: JobState
+    escrow: Decimal
+    settled: bool = False
+    kind: Literal["accounting", "refund"] | None = Field(
+        None, description="How it settled: final accounting, or a refund of a job that never ran."
+    )
+    charged: Decimal = Decimal(0)
+    refunded: Decimal = Decimal(0)
+    settled_at: datetime | None = None
+    created_at: datetime
+
+
+class ChargeBreakdown(Model):
+    """A job's charge itemized: usage totals priced line by line, then rounding, minimum charge and escrow cap."""
+
+    job: JobCharge
+    totals: UsageMetrics | None = Field(
+        None, description="Sum of the job's usage records (None: no records)."
+    )
+    lines: list[PriceLine] = Field(default_factory=list)
+    rated: Decimal = Decimal(0)
+    rounded: Decimal = Decimal(0)
+    minimum_charge: Decimal = Decimal(0)
+    minimum_applied: bool = False
+    capped_at_escrow: bool = False
 
 
 # ---- helpers -----------------------------------------------------------------------------------------------
@@ -269,18 +323,8 @@ def _short_str(raw: dict[str, Any], key: str, *, required: bool) -> str | None:
 
 def compute_charge(metrics: UsageMetrics, queue: PricedQueue) -> Decimal:
     """The price of ``metrics`` at ``queue``'s rates, before the minimum charge and the escrow cap,
-    unrounded."""
-    p = queue.pricing
-    hour = Decimal(3600)
-    with localcontext() as ctx:
-        ctx.prec = 60
-        return (
-            p.node_hour * metrics.node_hours
-            + p.core_hour * metrics.cpu_core_seconds / hour
-            + p.gpu_hour * metrics.gpu_seconds / hour
-            + p.memory_gb_hour * metrics.memory_gb_seconds / hour
-            + p.storage_gb_hour * metrics.storage_gb_hours
-        )
+    unrounded (``virtengine_hpc.pricing.rate_usage``: the same lines ``ledger charges`` itemizes)."""
+    return rate_usage(metrics, queue.pricing)
 
 
 def used_anything(metrics: UsageMetrics) -> bool:
@@ -1271,6 +1315,249 @@ class LocalLedger:
         escrow back to the tenant. A repeat returns the same ``Settlement``.
         """
         return await asyncio.to_thread(self.settle, report)
+
+    # ---- workload templates (custom, signed, approved by governance) ----------------------------------------
+
+    def register_publisher_key(self, publisher: str, public_key_b64: str) -> str:
+        """Register a template publisher's Ed25519 public key (raw, base64); returns its key id.
+
+        On a real chain the publisher's account key signs the publishing transaction; here the registry ties
+        keys to publisher addresses, so a template claiming a publisher is refused unless that publisher's key
+        signed it.
+        """
+        public_key = public_key_from_b64(public_key_b64)
+        kid = key_id(public_key)
+        if not publisher or len(publisher) > 256:
+            raise ChainError("publisher must be a non-empty string of at most 256 characters")
+        with self._tx(write=True) as db:
+            db.execute(
+                "INSERT OR IGNORE INTO publisher_keys (publisher, key_id, public_key, registered_at) "
+                "VALUES (?, ?, ?, ?)",
+                (publisher, kid, public_key_b64, _iso(self._now())),
+            )
+        return kid
+
+    def publisher_keys(self, publisher: str) -> dict[str, str]:
+        """``{key_id: public_key_b64}`` of a publisher's registered keys."""
+        with self._tx(write=False) as db:
+            rows = db.execute(
+                "SELECT key_id, public_key FROM publisher_keys WHERE publisher = ?", (publisher,)
+            ).fetchall()
+        return {r["key_id"]: r["public_key"] for r in rows}
+
+    def publish_template(self, signed: SignedTemplate) -> TemplateRecord:
+        """Store a signed custom template as ``pending`` (usable only after ``approve_template``).
+
+        Refused: a bad signature or a key that is not a registered key of the template's publisher
+        (``SecurityError``); a built-in id; an id owned by another publisher (``SecurityError``); a version
+        already published with other content (versions are immutable). Publishing the same bytes again returns
+        the existing record.
+        """
+        template = signed.template
+        if not signed.verify():
+            raise SecurityError(
+                f"template {template.template_id} {template.version}: signature does not verify"
+            )
+        if signed.key_id not in self.publisher_keys(template.publisher):
+            raise SecurityError(
+                f"template {template.template_id}: key {signed.key_id[:16]}... is not a registered key of "
+                f"publisher {template.publisher}"
+            )
+        if is_builtin(template.template_id):
+            raise ChainError(f"template id {template.template_id} is a built-in template's")
+        now = self._now()
+        digest = template.digest()
+        with self._tx(write=True) as db:
+            owner = db.execute(
+                "SELECT publisher FROM templates WHERE template_id = ? LIMIT 1", (template.template_id,)
+            ).fetchone()
+            if owner is not None and owner["publisher"] != template.publisher:
+                raise SecurityError(
+                    f"template id {template.template_id} belongs to publisher {owner['publisher']}"
+                )
+            row = db.execute(
+                "SELECT data FROM templates WHERE template_id = ? AND version = ?",
+                (template.template_id, template.version),
+            ).fetchone()
+            if row is not None:
+                existing = TemplateRecord.model_validate_json(row["data"])
+                if existing.digest != digest:
+                    raise ChainError(
+                        f"template {template.template_id} {template.version} is already published with other "
+                        "content; publish a new version"
+                    )
+                return existing
+            record = TemplateRecord(
+                template_id=template.template_id,
+                version=template.version,
+                publisher=template.publisher,
+                status="pending",
+                signed=signed,
+                digest=digest,
+                published_at=now,
+                published_height=self.height_at(now),
+            )
+            db.execute(
+                "INSERT INTO templates (template_id, version, publisher, status, data) VALUES (?, ?, ?, ?, ?)",
+                (
+                    record.template_id,
+                    record.version,
+                    record.publisher,
+                    record.status,
+                    record.model_dump_json(),
+                ),
+            )
+            return record
+
+    def _template_row(self, db: sqlite3.Connection, template_id: str, version: str | None) -> sqlite3.Row:
+        if version is None:
+            row = db.execute(
+                "SELECT * FROM templates WHERE template_id = ? ORDER BY seq DESC LIMIT 1", (template_id,)
+            ).fetchone()
+        else:
+            row = db.execute(
+                "SELECT * FROM templates WHERE template_id = ? AND version = ?", (template_id, version)
+            ).fetchone()
+        if row is None:
+            what = template_id if version is None else f"{template_id} {version}"
+            raise ChainError(f"unknown template {what}", code="template_not_found")
+        return row
+
+    def decide_template(
+        self,
+        template_id: str,
+        status: Literal["approved", "rejected", "revoked"],
+        *,
+        version: str | None = None,
+        decided_by: str = "governance",
+        reason: str = "",
+    ) -> TemplateRecord:
+        """Governance's decision on a published version (default: the latest): approve, reject or revoke.
+
+        Approval records the digest of the exact template approved; a template whose content no longer hashes
+        to it is refused by providers. Revoking an approved version stops new jobs from using it.
+        """
+        now = self._now()
+        with self._tx(write=True) as db:
+            row = self._template_row(db, template_id, version)
+            record = TemplateRecord.model_validate_json(row["data"])
+            if record.status == status:
+                return record
+            allowed = {"approved": ("pending",), "rejected": ("pending",), "revoked": ("approved",)}[status]
+            if record.status not in allowed:
+                raise ChainError(
+                    f"template {template_id} {record.version} is {record.status}; it cannot become {status}"
+                )
+            changed = record.model_copy(
+                update={
+                    "status": status,
+                    "approved_digest": record.digest if status == "approved" else record.approved_digest,
+                    "decided_by": decided_by[:256],
+                    "decided_at": now,
+                    "decided_height": self.height_at(now),
+                    "reason": reason[:512],
+                }
+            )
+            db.execute(
+                "UPDATE templates SET status = ?, data = ? WHERE seq = ?",
+                (status, changed.model_dump_json(), row["seq"]),
+            )
+            return changed
+
+    def approve_template(
+        self, template_id: str, *, version: str | None = None, **kwargs: Any
+    ) -> TemplateRecord:
+        return self.decide_template(template_id, "approved", version=version, **kwargs)
+
+    def template(self, template_id: str) -> TemplateRecord | None:
+        """The version jobs use: the latest approved one, else the latest published (which providers refuse)."""
+        with self._tx(write=False) as db:
+            row = db.execute(
+                "SELECT data FROM templates WHERE template_id = ? "
+                "ORDER BY (status = 'approved') DESC, seq DESC LIMIT 1",
+                (template_id,),
+            ).fetchone()
+        return TemplateRecord.model_validate_json(row["data"]) if row else None
+
+    def templates(self, *, status: str | None = None) -> list[TemplateRecord]:
+        """Every published version (optionally with one status), oldest first."""
+        with self._tx(write=False) as db:
+            rows = db.execute(
+                "SELECT data FROM templates WHERE (?1 IS NULL OR status = ?1) ORDER BY seq", (status,)
+            ).fetchall()
+        return [TemplateRecord.model_validate_json(r["data"]) for r in rows]
+
+    async def get_template(self, template_id: str) -> TemplateRecord | None:
+        """The chain's record of a custom template (see ``template``); None when none was published."""
+        return await asyncio.to_thread(self.template, template_id)
+
+    # ---- charges and earnings ----------------------------------------------------------------------------
+
+    def _job_charge(self, db: sqlite3.Connection, row: sqlite3.Row) -> JobCharge:
+        found = self._settlement(db, row["job_id"])
+        charge = JobCharge(
+            job_id=row["job_id"],
+            tenant=row["tenant"],
+            provider=row["provider"],
+            offering_id=row["offering_id"],
+            state=JobState(row["state"]),
+            escrow=Decimal(row["escrow"]),
+            created_at=_time(row["created_at"]),
+        )
+        if found is None:
+            return charge
+        kind, settlement = found
+        return charge.model_copy(
+            update={
+                "settled": True,
+                "kind": kind,
+                "charged": settlement.charged,
+                "refunded": settlement.refunded,
+                "settled_at": settlement.settled_at,
+            }
+        )
+
+    def charges(self, *, tenant: str | None = None, provider: str | None = None) -> list[JobCharge]:
+        """Every job of a tenant (what it paid) or of a provider (what it earned), oldest first."""
+        if tenant is None and provider is None:
+            raise ChainError("name a tenant or a provider")
+        with self._tx(write=False) as db:
+            rows = db.execute(
+                "SELECT * FROM jobs WHERE (?1 IS NULL OR tenant = ?1) AND (?2 IS NULL OR provider = ?2) ORDER BY seq",
+                (tenant, provider),
+            ).fetchall()
+            return [self._job_charge(db, row) for row in rows]
+
+    def charge_breakdown(self, job_id: str) -> ChargeBreakdown:
+        """A job's charge itemized from its stored usage records at its offering's prices."""
+        with self._tx(write=False) as db:
+            row = self._job_row(db, job_id)
+            charge = self._job_charge(db, row)
+            records = [
+                UsageRecord.model_validate_json(r["data"])
+                for r in db.execute(
+                    "SELECT data FROM usage_records WHERE job_id = ? ORDER BY sequence", (job_id,)
+                )
+            ]
+            queue = self._queue(db, row["offering_id"])
+        if not records or queue is None:
+            return ChargeBreakdown(job=charge)
+        totals = sum_metrics([r.metrics for r in records])
+        rated = rate_usage(totals, queue.pricing)
+        rounded = rated.quantize(UNIT, rounding=ROUNDING)
+        minimum = queue.pricing.minimum_charge.quantize(UNIT, rounding=ROUNDING)
+        applied = used_anything(totals) and minimum > rounded
+        before_cap = minimum if applied else rounded
+        return ChargeBreakdown(
+            job=charge,
+            totals=totals,
+            lines=usage_lines(totals, queue.pricing),
+            rated=rated,
+            rounded=rounded,
+            minimum_charge=minimum,
+            minimum_applied=applied,
+            capped_at_escrow=before_cap > charge.escrow,
+        )
 
 
 def _requested_nodes(spec: dict[str, Any]) -> int:

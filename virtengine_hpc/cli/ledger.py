@@ -16,11 +16,11 @@ from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
-from activities.chain.local_ledger import UNIT, LocalLedger
+from activities.chain.local_ledger import UNIT, ChargeBreakdown, JobCharge, LocalLedger
 from virtengine_hpc.cli.common import config_from_args, print_json
 from virtengine_hpc.config import Config, Secrets, parse_duration
 from virtengine_hpc.errors import ChainError, ValidationError
-from virtengine_hpc.models import Cluster, Partition, PricedQueue, Pricing
+from virtengine_hpc.models import Cluster, JobSpec, Partition, PricedQueue, Pricing, Resources
 from virtengine_hpc.signing import load_private_key, public_key_b64, write_private_key
 from virtengine_hpc.states import JobState
 
@@ -159,6 +159,35 @@ def _register_inspection(sub: Any) -> None:
 
     p = sub.add_parser("height", help="the current block height")
     p.set_defaults(func=cmd_height)
+    _register_pricing(sub)
+
+
+def _register_pricing(sub: Any) -> None:
+    p = sub.add_parser(
+        "charges", help="what a tenant's jobs cost (escrow, charged, refunded); --job itemizes one"
+    )
+    p.add_argument("--tenant", required=True)
+    p.add_argument("--job", dest="job_id", help="itemize this job's charge (usage x prices, minimum, cap)")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_charges)
+
+    p = sub.add_parser("earnings", help="what a provider earned, per job and in total")
+    p.add_argument("--provider", required=True)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_earnings)
+
+    p = sub.add_parser(
+        "quote", help="the budget (max_price) a job needs at an offering: allocation x walltime"
+    )
+    p.add_argument("--offering", help="default: <cluster_id>-standard")
+    p.add_argument("--nodes", type=int, default=1)
+    p.add_argument("--tasks-per-node", type=int, default=1)
+    p.add_argument("--cpus", type=int, default=1, help="CPUs per task")
+    p.add_argument("--memory-mb", type=int, default=1024, help="memory per node (MiB)")
+    p.add_argument("--gpus", type=int, default=0, help="GPUs per node")
+    p.add_argument("--storage-gb", type=int, default=0)
+    p.add_argument("--walltime", default="1h")
+    p.set_defaults(func=cmd_quote)
 
 
 # ---- helpers -----------------------------------------------------------------------------------------------
@@ -393,7 +422,185 @@ def build_raw_spec(args: argparse.Namespace, config: Config) -> dict[str, Any]:
 def cmd_submit_job(args: argparse.Namespace) -> int:
     config = config_from_args(args)
     raw = build_raw_spec(args, config)
-    print(open_ledger(args).submit_job(raw))
+    ledger = open_ledger(args)
+    _apply_template_defaults(raw, ledger)
+    _warn_budget(raw, ledger)
+    print(ledger.submit_job(raw))
+    return 0
+
+
+def _apply_template_defaults(raw: dict[str, Any], ledger: LocalLedger) -> None:
+    """Fill the resources and walltime a template job leaves out with the template's defaults (tenant side)."""
+    from virtengine_hpc.templates import builtin_templates
+
+    template_id = raw.get("template_id")
+    if not isinstance(template_id, str):
+        return
+    template = builtin_templates().get(template_id)
+    if template is None:
+        record = ledger.template(template_id)
+        template = record.signed.template if record else None
+    if template is None:
+        return
+    bounds = template.resources
+    resources = dict(raw.get("resources") or {})
+    resources.setdefault("nodes", bounds.nodes.default)
+    tasks = resources.get("tasks_per_node", 1)
+    if "cpus_per_task" not in resources and isinstance(tasks, int) and tasks > 0:
+        resources["cpus_per_task"] = max(1, bounds.cpus_per_node.default // tasks)
+    resources.setdefault("memory_mb_per_node", bounds.memory_mb_per_node.default)
+    if bounds.gpus_per_node.default:
+        resources.setdefault("gpus_per_node", bounds.gpus_per_node.default)
+    if bounds.storage_gb.default:
+        resources.setdefault("storage_gb", bounds.storage_gb.default)
+    raw["resources"] = resources
+    raw.setdefault("walltime_seconds", 60 * bounds.runtime_minutes.default)
+
+
+def _warn_budget(raw: dict[str, Any], ledger: LocalLedger) -> None:
+    """Tell the tenant now (stderr) when the provider will refuse the job's budget; the ledger stores it anyway."""
+    from virtengine_hpc.pricing import check_job_against_queue
+
+    queue = ledger.queue(str(raw.get("offering_id")))
+    if queue is None:
+        print(f"warning: offering {raw.get('offering_id')} has no priced queue", file=sys.stderr)
+        return
+    try:
+        spec = JobSpec.model_validate(
+            {"job_id": "JOB-check", **{k: v for k, v in raw.items() if k != "job_id"}}
+        )
+        check_job_against_queue(spec, queue)
+    except ValidationError as exc:
+        print(f"warning: the provider will refuse this job: {exc}", file=sys.stderr)
+    except ValueError:
+        pass  # malformed on purpose (tests, demos): the provider's validation reports it
+
+
+def cmd_charges(args: argparse.Namespace) -> int:
+    ledger = open_ledger(args)
+    if args.job_id:
+        breakdown = ledger.charge_breakdown(args.job_id)
+        if breakdown.job.tenant != args.tenant:
+            raise ChainError(f"job {args.job_id} does not belong to {args.tenant}")
+        if args.json:
+            print_json(breakdown)
+            return 0
+        _print_breakdown(breakdown)
+        return 0
+    charges = ledger.charges(tenant=args.tenant)
+    return _print_charges(charges, args.json, who=args.tenant, provider_view=False)
+
+
+def cmd_earnings(args: argparse.Namespace) -> int:
+    charges = open_ledger(args).charges(provider=args.provider)
+    return _print_charges(charges, args.json, who=args.provider, provider_view=True)
+
+
+def _print_charges(charges: list[JobCharge], as_json: bool, *, who: str, provider_view: bool) -> int:
+    settled = [c for c in charges if c.settled]
+    total_charged = sum((c.charged for c in settled), Decimal(0))
+    total_refunded = sum((c.refunded for c in settled), Decimal(0))
+    held = sum((c.escrow for c in charges if not c.settled), Decimal(0))
+    totals = {
+        "jobs": len(charges),
+        "settled": len(settled),
+        "charged": total_charged,
+        "refunded": total_refunded,
+        "in_escrow": held,
+    }
+    if as_json:
+        print(
+            json.dumps(
+                {"account": who, "jobs": [c.model_dump(mode="json") for c in charges], "totals": totals},
+                indent=2,
+                default=str,
+            )
+        )
+        return 0
+    other = "TENANT" if provider_view else "PROVIDER"
+    rows: list[tuple[str, ...]] = [
+        ("JOB", "STATE", other, "OFFERING", "ESCROW", "CHARGED", "REFUNDED", "SETTLED")
+    ]
+    for c in charges:
+        rows.append(
+            (
+                c.job_id,
+                c.state.value,
+                c.tenant if provider_view else c.provider,
+                c.offering_id,
+                _money(c.escrow),
+                _money(c.charged) if c.settled else "-",
+                _money(c.refunded) if c.settled else "-",
+                c.settled_at.strftime("%Y-%m-%d %H:%M:%S") if c.settled_at else "in escrow",
+            )
+        )
+    _table(rows)
+    if provider_view:
+        print(
+            f"earned {_money(total_charged)} from {len(settled)} settled job(s); {_money(held)} still in escrow"
+        )
+    else:
+        print(
+            f"charged {_money(total_charged)}, refunded {_money(total_refunded)} over {len(settled)} settled "
+            f"job(s); {_money(held)} held in escrow"
+        )
+    return 0
+
+
+def _print_breakdown(b: ChargeBreakdown) -> None:
+    job = b.job
+    print(f"job {job.job_id} ({job.state.value}) at offering {job.offering_id}, escrow {_money(job.escrow)}")
+    if b.totals is None:
+        print("no usage records" + (f"; refunded {_money(job.refunded)}" if job.settled else ""))
+        return
+    rows: list[tuple[str, ...]] = [("ITEM", "QUANTITY", "UNIT", "RATE", "AMOUNT")]
+    for line in b.lines:
+        rows.append((line.item, _plain(line.quantity), line.unit, _plain(line.rate), _plain(line.amount)))
+    _table(rows)
+    print(f"rated {_plain(b.rated)}, rounded to the unit {_money(b.rounded)}")
+    if b.minimum_applied:
+        print(f"minimum charge {_money(b.minimum_charge)} applies")
+    if b.capped_at_escrow:
+        print(f"capped at the escrow {_money(job.escrow)}")
+    if job.settled:
+        print(f"charged {_money(job.charged)}, refunded {_money(job.refunded)} ({job.kind})")
+    else:
+        print("not settled yet")
+
+
+def _plain(value: Decimal) -> str:
+    text = format(value.normalize(), "f")
+    return "0" if text in ("-0", "") else text
+
+
+def cmd_quote(args: argparse.Namespace) -> int:
+    from virtengine_hpc.pricing import describe, quote
+
+    config = config_from_args(args)
+    offering = args.offering or default_offering(config)
+    queue = open_ledger(args).queue(offering)
+    if queue is None:
+        raise ChainError(f"unknown offering {offering}")
+    try:
+        resources = Resources(
+            nodes=args.nodes,
+            tasks_per_node=args.tasks_per_node,
+            cpus_per_task=args.cpus,
+            memory_mb_per_node=args.memory_mb,
+            gpus_per_node=args.gpus,
+            storage_gb=args.storage_gb,
+        )
+        walltime = int(parse_duration(args.walltime).total_seconds())
+    except ValueError as exc:
+        raise ValidationError(f"invalid request: {exc}") from None
+    priced = quote(resources, walltime, queue)
+    print(f"{_money(priced.total)}  ({describe(priced)}) at {offering}")
+    low, high = queue.min_duration_seconds, queue.max_duration_seconds
+    if not low <= walltime <= high:
+        print(
+            f"warning: walltime {walltime} s is outside the offering's bounds {low}..{high} s",
+            file=sys.stderr,
+        )
     return 0
 
 
