@@ -56,7 +56,7 @@ async def run_pipeline(
                 "offering_id": "offering-standard",
                 "script": "true\n",
                 "walltime_seconds": 600,
-                "max_price": "1",
+                "max_price": "100",  # covers the quote (allocation x walltime), else routing refuses the job
             }
         )
         inp = JobWorkflowInput(
@@ -190,7 +190,7 @@ def _raw(config: Config, job_id: str) -> dict[str, object]:
         "offering_id": "offering-standard",
         "script": "true\n",
         "walltime_seconds": 600,
-        "max_price": "1",
+        "max_price": "100",  # covers the quote (allocation x walltime), else routing refuses the job
     }
 
 

@@ -12,6 +12,8 @@ PACKAGES=(
   mariadb-server mariadb-client
   openssh-server openssh-client
   procps iproute2 curl passwd util-linux
+  # workload templates: real MPI (mpirun, mpi4py; libpmix-dev lets srun --mpi=pmix load PMIx), Dask (data-processing)
+  openmpi-bin python3-mpi4py libpmix-dev python3-distributed
 )
 
 log() { printf 'install-system-deps: %s\n' "$*" >&2; }
