@@ -167,7 +167,7 @@ def cmd_show(args: argparse.Namespace) -> int:
         raise ValidationError(f"no node {args.node_id} in cluster {cluster}")
     try:
         status = asyncio.run(_workflow_status(config, cluster, args.node_id))
-    except (OSError, RuntimeError) as exc:  # Temporal unreachable: the ledger still answers
+    except (HPCError, OSError, RuntimeError) as exc:  # Temporal unreachable: the ledger still answers
         status = None
         print(f"# workflow status unavailable: {exc}", file=sys.stderr)
     report = {
