@@ -13,7 +13,7 @@ import asyncio
 import json
 import sys
 import time
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from activities.chain.node_ledger import NodeLedger
@@ -139,6 +139,11 @@ def cmd_list(args: argparse.Namespace) -> int:
     return 0
 
 
+def _silence(last: datetime | None) -> float | None:
+    """Seconds since the provider last accepted a heartbeat of the node, now."""
+    return round((datetime.now(UTC) - last).total_seconds(), 1) if last else None
+
+
 def _dash(value: object) -> str:
     return "-" if value is None or value == "" else str(value)
 
@@ -174,6 +179,7 @@ def cmd_show(args: argparse.Namespace) -> int:
         "allowed": allowed.model_dump(mode="json") if allowed else None,
         "registry": row.model_dump(mode="json") if row else None,
         "workflow": status.model_dump(mode="json") if status else None,
+        "silent_for_seconds": _silence(row.last_heartbeat_at if row else None),
         "recent_updates": [
             {k: v for k, v in u.model_dump(mode="json").items() if k != "payload"}
             for u in ledger.updates(cluster, args.node_id, limit=10)

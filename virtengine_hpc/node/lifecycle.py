@@ -187,7 +187,9 @@ class NodeStatus(Model):
     scheduler_node: str
     last_beat_at: datetime | None
     last_sequence: int
-    silent_seconds: float | None
+    silent_seconds: float | None = Field(
+        description="Silence as of the workflow's last step (a query cannot read the clock; see last_beat_at)."
+    )
     state_changed_at: datetime | None
     scheduler_drained: bool
     scheduler_note: str
