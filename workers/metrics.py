@@ -403,10 +403,37 @@ def instrument_node_api(api: Any, metrics: WorkerMetrics) -> None:
     wrap("register", metrics.registrations)
 
 
+def add_node_api_endpoints(app: Any, metrics: WorkerMetrics, checks: Mapping[str, Any]) -> None:
+    """Give the node API (a FastAPI app) ``/metrics`` and ``/readyz`` beside its own ``/healthz``.
+
+    ``checks`` are readiness checks as in ``workers/health.py`` (async callables that raise when not ready),
+    e.g. Temporal's health check and a read of the node ledger.
+    """
+    from fastapi.responses import JSONResponse, Response
+
+    @app.get("/metrics", include_in_schema=False)
+    async def prometheus() -> Response:
+        return Response(metrics.exposition(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/readyz", summary="Readiness", include_in_schema=False)
+    async def readyz() -> JSONResponse:
+        results: dict[str, str] = {}
+        for name, check in checks.items():
+            try:
+                await asyncio.wait_for(check(), timeout=5)
+                results[name] = "ok"
+            except Exception as exc:
+                results[name] = (str(exc) or type(exc).__name__)[:300]
+        ok = all(r == "ok" for r in results.values())
+        body = {"status": "ready" if ok else "not ready", "checks": results}
+        return JSONResponse(body, status_code=200 if ok else 503)
+
+
 __all__ = [
     "MeteredAuditLog",
     "MetricsSource",
     "WorkerMetrics",
+    "add_node_api_endpoints",
     "instrument_adapter",
     "instrument_node_api",
     "keep_job_gauge_fresh",

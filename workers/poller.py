@@ -71,9 +71,9 @@ class ChainPoller:
             try:
                 await self.poll_once()
             except HPCError as exc:  # chain unreachable: try again next round, lose nothing
-                log.warning("poll failed: %s", exc)
+                log.warning("poll failed: %s", exc, extra={"cluster_id": self.cluster_id})
             except RPCError as exc:
-                log.warning("poll failed talking to Temporal: %s", exc)
+                log.warning("poll failed talking to Temporal: %s", exc, extra={"cluster_id": self.cluster_id})
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), timeout=interval)
 
@@ -137,7 +137,11 @@ class ChainPoller:
             return False
         self._recent[spec.job_id] = time.monotonic()
         stats.started.append(spec.job_id)
-        log.info("started workflow for job %s", spec.job_id)
+        log.info(
+            "started workflow for job %s",
+            spec.job_id,
+            extra={"job_id": spec.job_id, "workflow_id": spec.job_id, "cluster_id": self.cluster_id},
+        )
         return True
 
     async def _reject(self, chain_job: ChainJob, reason: str, stats: PollStats) -> None:
