@@ -22,7 +22,7 @@ import asyncio
 import logging
 import re
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Generic, Protocol, TypeVar
 
 from activities.schedulers.base import SchedulerAdapter, SubmitRequest, SubmitResult
@@ -223,6 +223,12 @@ class CommandExecutor:
         )
 
 
+@dataclass
+class _Gate:
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    users: int = 0
+
+
 class BatchSchedulerAdapter(SchedulerAdapter, abc.ABC):
     """Base of batch-scheduler adapters: retries, exactly-once submission, coalesced lookups, reconciliation.
 
@@ -233,6 +239,9 @@ class BatchSchedulerAdapter(SchedulerAdapter, abc.ABC):
     def __init__(self, *, backoff: Backoff) -> None:
         self.backoff = backoff
         self._finder: Coalescer[str, list[Candidate]] = Coalescer(self._lookup)
+        # Submits of one workflow id in this process run one at a time (an attempt that outlived its timeout
+        # and its retry must not both miss the lookup and both submit).
+        self._submitting: dict[str, _Gate] = {}
 
     # ---- hooks ---------------------------------------------------------------------------------------------
     @abc.abstractmethod
@@ -259,7 +268,15 @@ class BatchSchedulerAdapter(SchedulerAdapter, abc.ABC):
             job_id = await self._submit_new(request)
             return SubmitResult(scheduler_job_id=job_id)
 
-        return await retrying(attempt, self.backoff, f"submit {request.workflow_id}")
+        gate = self._submitting.setdefault(request.workflow_id, _Gate())
+        gate.users += 1
+        try:
+            async with gate.lock:
+                return await retrying(attempt, self.backoff, f"submit {request.workflow_id}")
+        finally:
+            gate.users -= 1
+            if gate.users == 0:
+                del self._submitting[request.workflow_id]
 
     async def find(self, workflow_id: str) -> str | None:
         return await retrying(lambda: self._find_once(workflow_id), self.backoff, f"find {workflow_id}")

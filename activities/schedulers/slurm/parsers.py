@@ -11,7 +11,7 @@ and live on the steps; slurmdbd's JSON reports CPU time with ``microseconds`` th
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from decimal import Decimal
@@ -147,8 +147,14 @@ def parse_time(value: str | int | None) -> datetime | None:
     if isinstance(value, int):
         return datetime.fromtimestamp(value, UTC) if value > 0 else None
     text = value.strip()
-    if text in _NO_VALUE or not text.isdigit():
+    if text in _NO_VALUE:
         return None
+    if not text.isdigit():
+        # ISO local time: only when SLURM_TIME_FORMAT=%s did not apply (captures made by hand); read as UTC.
+        try:
+            return datetime.fromisoformat(text).replace(tzinfo=UTC)
+        except ValueError:
+            return None
     seconds = int(text)
     return datetime.fromtimestamp(seconds, UTC) if seconds > 0 else None
 
@@ -232,116 +238,97 @@ def parse_job_id(value: str) -> str:
 # ---- command output ------------------------------------------------------------------------------------------
 
 
-def _split(line: str, count: int, *, terminated: bool = False) -> list[str] | None:
-    """Split a ``|``-separated line of ``count`` fields whose last field is free text (may contain ``|``).
+def _rows(text: str, fields: Sequence[str], *, terminated: bool = False) -> Iterator[dict[str, str]]:
+    """``|``-separated lines as dicts; the last field is free text and may itself contain ``|``.
 
-    ``terminated``: every field is followed by ``|`` (``squeue -O 'Field:|'``), so the line ends with one.
+    ``terminated``: every field is followed by ``|`` (``squeue -O 'Field:|'``), so lines end with one. Lines with
+    too few fields (a ``CLUSTER:`` banner, a header) are skipped.
     """
-    if terminated and line.endswith("|"):
-        line = line[:-1]
-    parts = line.split("|", count - 1)
-    return parts if len(parts) == count else None
-
-
-def parse_squeue(text: str) -> list[QueueJob]:
-    """``squeue -h -O <SQUEUE_FORMAT>`` output. Lines that do not fit (a ``CLUSTER:`` banner) are skipped."""
-    jobs: list[QueueJob] = []
     for line in text.splitlines():
         if not line.strip() or line.startswith("CLUSTER:"):
             continue
-        parts = _split(line, len(SQUEUE_FIELDS), terminated=True)
-        if parts is None:
+        if terminated and line.endswith("|"):
+            line = line[:-1]
+        parts = line.split("|", len(fields) - 1)
+        if len(parts) != len(fields) or parts[0] == fields[0]:
             continue
-        job_id, state, reason, submit, start, end, used, tres, user, rest_name, comment = parts
-        job_id = job_id.strip()
+        yield dict(zip(fields, parts, strict=True))
+
+
+def parse_squeue(
+    text: str, fields: Sequence[str] = SQUEUE_FIELDS, *, terminated: bool = True
+) -> list[QueueJob]:
+    """``squeue -h -O <SQUEUE_FORMAT>`` output (or another field list, e.g. a capture made with ``-o``)."""
+    jobs: list[QueueJob] = []
+    for row in _rows(text, fields, terminated=terminated):
+        job_id = row.get("JobID", "").strip()
         if not job_id.isdigit():
             continue  # array tasks (123_4) and heterogeneous components are not ours
-        elapsed = parse_duration(used)
+        elapsed = parse_duration(row.get("TimeUsed", ""))
         jobs.append(
             QueueJob(
                 job_id=job_id,
-                state=state.strip(),
-                reason=_text(reason),
-                submit_time=parse_time(submit),
-                start_time=parse_time(start),
-                end_time=parse_time(end),
+                state=row.get("State", "").strip(),
+                reason=_text(row.get("Reason", "")),
+                submit_time=parse_time(row.get("SubmitTime")),
+                start_time=parse_time(row.get("StartTime")),
+                end_time=parse_time(row.get("EndTime")),
                 elapsed_seconds=int(elapsed) if elapsed is not None else None,
-                alloc_tres=parse_tres(tres, usage=False),
-                user=user.strip(),
-                name=rest_name,
-                comment=_text(comment),
+                alloc_tres=parse_tres(row.get("tres-alloc", ""), usage=False),
+                user=row.get("UserName", "").strip(),
+                name=row.get("Name", ""),
+                comment=_text(row.get("Comment", "")),
             )
         )
     return jobs
 
 
-def parse_sacct(text: str) -> list[AcctJob]:
-    """``sacct -P -n -o <SACCT_FORMAT>`` output, job lines with their step lines (``123.batch``, ``123.0``)."""
+def parse_sacct(text: str, fields: Sequence[str] = SACCT_FIELDS) -> list[AcctJob]:
+    """``sacct -P -n -o <fields>`` output: job lines, each followed by its step lines (``123.batch``, ``123.0``)."""
     jobs: dict[str, AcctJob] = {}
     order: list[AcctJob] = []
     current: AcctJob | None = None  # the job whose step lines follow
-    for line in text.splitlines():
-        if not line.strip():
-            continue
-        parts = _split(line, len(SACCT_FIELDS))
-        if parts is None:
-            continue
-        (
-            raw_id,
-            state,
-            exit_code,
-            elapsed,
-            total_cpu,
-            alloc,
-            max_rss,
-            tres_in,
-            tres_out,
-            energy,
-            submit,
-            start,
-            end,
-            reason,
-            user,
-            name,
-            comment,
-        ) = parts
-        raw_id = raw_id.strip()
+    for row in _rows(text, fields):
+        raw_id = (row.get("JobIDRaw") or row.get("JobID") or "").strip()
         job_id, dot, step_id = raw_id.partition(".")
         if not job_id.isdigit():
             continue
-        cpu = parse_duration(total_cpu)
+        cpu = parse_duration(row.get("TotalCPU", ""))
+        if "ElapsedRaw" in row:
+            elapsed = parse_int(row["ElapsedRaw"]) or 0
+        else:
+            elapsed = int(parse_duration(row.get("Elapsed", "")) or 0)
         if dot:
             if current is None or current.job_id != job_id:
                 continue
-            rss = parse_size(max_rss)
             current.steps.append(
                 AcctStep(
                     step_id=step_id,
-                    state=state.strip(),
-                    elapsed_seconds=parse_int(elapsed) or 0,
+                    state=row.get("State", "").strip(),
+                    elapsed_seconds=elapsed,
                     total_cpu_seconds=cpu or Decimal(0),
-                    max_rss_bytes=rss,
-                    usage_in=parse_tres(tres_in, usage=True),
-                    usage_out=parse_tres(tres_out, usage=True),
+                    max_rss_bytes=parse_size(row.get("MaxRSS", "")),
+                    usage_in=parse_tres(row.get("TRESUsageInTot", ""), usage=True),
+                    usage_out=parse_tres(row.get("TRESUsageOutTot", ""), usage=True),
                 )
             )
             continue
-        joules = parse_int(energy)
+        joules = parse_int(row.get("ConsumedEnergyRaw", ""))
         job = AcctJob(
             job_id=job_id,
-            state=state.strip(),
-            exit_code=exit_code_from_pair(exit_code),
-            elapsed_seconds=parse_int(elapsed) or 0,
+            state=row.get("State", "").strip(),
+            exit_code=exit_code_from_pair(row.get("ExitCode", "")),
+            elapsed_seconds=elapsed,
             total_cpu_seconds=cpu,
-            alloc_tres=parse_tres(alloc, usage=False),
+            alloc_tres=parse_tres(row.get("AllocTRES", ""), usage=False),
             energy_joules=Decimal(joules) if joules else None,
-            submit_time=parse_time(submit),
-            start_time=parse_time(start),
-            end_time=parse_time(end),
-            reason=_text(reason),
-            user=user.strip(),
-            name=name,
-            comment=_text(comment),
+            submit_time=parse_time(row.get("Submit")),
+            start_time=parse_time(row.get("Start")),
+            end_time=parse_time(row.get("End")),
+            reason=_text(row.get("Reason", "")),
+            user=row.get("User", "").strip(),
+            name=row.get("JobName", ""),
+            comment=_text(row.get("Comment", "")),
         )
         # The same id twice (ids reused after a cluster was rebuilt): the latest submission wins.
         previous = jobs.get(job_id)
@@ -356,23 +343,19 @@ def parse_sacct(text: str) -> list[AcctJob]:
     return order
 
 
-def parse_sstat(text: str) -> list[LiveStep]:
-    """``sstat -P -n -a -o <SSTAT_FORMAT>``: one line per running step."""
+def parse_sstat(text: str, fields: Sequence[str] = SSTAT_FIELDS) -> list[LiveStep]:
+    """``sstat -P -n -a -o <fields>``: one line per running step (a header line, if any, is skipped)."""
     steps: list[LiveStep] = []
-    for line in text.splitlines():
-        parts = line.strip().split("|")
-        if len(parts) < len(SSTAT_FIELDS) or parts[0] == "JobID":
-            continue
-        step_ref, max_rss, tres_in, tres_out = parts[: len(SSTAT_FIELDS)]
-        _, dot, step_id = step_ref.partition(".")
+    for row in _rows(text, fields):
+        _, dot, step_id = row.get("JobID", "").strip().partition(".")
         if not dot:
             continue
         steps.append(
             LiveStep(
                 step_id=step_id,
-                max_rss_bytes=parse_size(max_rss),
-                usage_in=parse_tres(tres_in, usage=True),
-                usage_out=parse_tres(tres_out, usage=True),
+                max_rss_bytes=parse_size(row.get("MaxRSS", "")),
+                usage_in=parse_tres(row.get("TRESUsageInTot", ""), usage=True),
+                usage_out=parse_tres(row.get("TRESUsageOutTot", ""), usage=True),
             )
         )
     return steps

@@ -1,0 +1,217 @@
+"""The local SLURM cluster for tests: find it, build adapters for each transport, wait for jobs, clean up.
+
+The cluster comes from ``temporal-dev/slurm-up.sh`` (``.dev/slurm/env.json`` describes it). When it is not up, the
+SLURM tests skip with a message saying how to start it, unless ``VEHPC_REQUIRE_SLURM=1`` (set by
+``scripts/run-tests.sh`` when it started the cluster, i.e. in CI): then a missing cluster is a failure.
+
+Every test job's workflow id starts with ``slurmtest-`` (so its Slurm name with ``vehpc-slurmtest-``) and a random
+suffix, so no test ever adopts a job of an earlier run, and ``cancel_test_jobs`` can clean up by name prefix.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import time
+import uuid
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+from pydantic import SecretStr
+
+from activities.schedulers.base import NativeStatus
+from activities.schedulers.slurm import SlurmAdapter
+from virtengine_hpc.config import Config, Secrets, load_config
+from virtengine_hpc.models import JobSpec
+
+REPO = Path(__file__).resolve().parents[1]
+STATE = Path(os.environ.get("VEHPC_DEV_DIR", REPO / ".dev")) / "slurm"
+TEST_PREFIX = "slurmtest-"
+TRANSPORTS = ("cli", "ssh", "rest")
+
+_cached: dict[str, Any] | None = None
+_checked = False
+
+
+def _probe() -> dict[str, Any] | str:
+    env_file = STATE / "env.json"
+    if not env_file.exists():
+        return f"{env_file} does not exist"
+    env = json.loads(env_file.read_text())
+    try:
+        out = subprocess.run(
+            ["scontrol", "ping"],
+            env={**os.environ, "SLURM_CONF": env["slurm_conf"]},
+            capture_output=True,
+            text=True,
+            timeout=15,
+        )
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"scontrol ping failed: {exc}"
+    if "UP" not in out.stdout:
+        return f"scontrol ping: {(out.stdout + out.stderr).strip()[:200]}"
+    return env
+
+
+def cluster() -> dict[str, Any]:
+    """The cluster's env.json, or skip (fail under ``VEHPC_REQUIRE_SLURM=1``) when it is not up."""
+    global _cached, _checked
+    if not _checked:
+        probed = _probe()
+        _checked = True
+        _cached = probed if isinstance(probed, dict) else None
+        if _cached is None:
+            cluster.why = probed  # type: ignore[attr-defined]
+    if _cached is None:
+        why = getattr(cluster, "why", "unknown")
+        message = f"the local SLURM cluster is not up ({why}); start it with: sudo temporal-dev/slurm-up.sh"
+        if os.environ.get("VEHPC_REQUIRE_SLURM") == "1":
+            pytest.fail(f"VEHPC_REQUIRE_SLURM=1 but {message}")
+        pytest.skip(message)
+    return _cached
+
+
+def workflow_id(label: str = "") -> str:
+    return f"{TEST_PREFIX}{label}{'-' if label else ''}{uuid.uuid4().hex[:10]}"
+
+
+def slurm_section(env: dict[str, Any], transport: str, **overrides: Any) -> dict[str, Any]:
+    section: dict[str, Any] = {
+        "cluster_name": env["cluster"],
+        "controller_host": env["controller_host"],
+        "controller_port": env["controller_port"],
+        "default_partition": env["partition"],
+        "account": env["account"],
+        "work_dir": env["jobs_dir"],
+        "slurm_conf": env["slurm_conf"],
+        "transport": transport,
+        "job_poll_interval": "500ms",
+        "connection_timeout": "20s",
+        "max_retries": 2,
+        "accounting_grace": "30s",
+    }
+    if transport == "ssh":
+        section.update(
+            ssh_host=env["ssh_host"],
+            ssh_port=env["ssh_port"],
+            ssh_user=env["ssh_user"],
+            ssh_key_path=env["ssh_key_file"],
+            known_hosts_path=env["ssh_known_hosts"],
+        )
+    if transport == "rest":
+        section.update(
+            auth_method="jwt",
+            rest_url=env["slurmrestd_url"],
+            rest_user=env["rest_user"],
+            api_version=env["slurmrestd_api_version"],
+        )
+    section.update(overrides)
+    return section
+
+
+def secrets(env: dict[str, Any], key_path: Path | None = None) -> Secrets:
+    token = Path(env["jwt_token_file"]).read_text().strip()
+    return Secrets(slurm_jwt_token=SecretStr(token), provider_signing_key_path=key_path)
+
+
+def config(env: dict[str, Any], transport: str, **overrides: Any) -> Config:
+    return load_config(
+        data={
+            "hpc": {
+                "scheduler_type": "slurm",
+                "cluster_id": "slurm-test",
+                "slurm": slurm_section(env, transport, **overrides),
+                "retry": {"max_retries": 2, "initial_backoff": "200ms", "max_backoff": "1s"},
+            }
+        },
+        env={},
+    )
+
+
+def adapter(env: dict[str, Any], transport: str, *, hold: bool = False, **overrides: Any) -> SlurmAdapter:
+    built = SlurmAdapter.from_config(config(env, transport, **overrides), secrets(env), "slurm-test")
+    built.hold = hold
+    return built
+
+
+def spec(wf: str, script: str, **extra: Any) -> JobSpec:
+    raw: dict[str, Any] = {
+        "job_id": wf,
+        "tenant": "virtengine1tenant0alice",
+        "provider": "virtengine1provider0test",
+        "offering_id": "offering-standard",
+        "script": script,
+        "walltime_seconds": 300,
+        "resources": {"memory_mb_per_node": 256},
+    }
+    raw.update(extra)
+    return JobSpec.model_validate(raw)
+
+
+async def wait_for(
+    adapter: SlurmAdapter, job_id: str, predicate: Any, timeout: float = 90, interval: float = 0.5
+) -> NativeStatus:
+    """Poll ``status_batch`` until ``predicate(status)``; returns that status."""
+    deadline = time.monotonic() + timeout
+    status: NativeStatus | None = None
+    while time.monotonic() < deadline:
+        status = (await adapter.status_batch([job_id]))[job_id]
+        if predicate(status):
+            return status
+        await asyncio.sleep(interval)
+    raise AssertionError(f"job {job_id} did not get there in {timeout:.0f} s; last status {status}")
+
+
+async def wait_final(adapter: SlurmAdapter, job_id: str, timeout: float = 120) -> NativeStatus:
+    return await wait_for(adapter, job_id, lambda s: s.found and s.state.final, timeout)
+
+
+def slurm_command(env: dict[str, Any], argv: Sequence[str], timeout: float = 30) -> str:
+    """Run a Slurm command as root (independent of the adapter), epoch times; returns stdout."""
+    out = subprocess.run(
+        list(argv),
+        env={**os.environ, "SLURM_CONF": env["slurm_conf"], "SLURM_TIME_FORMAT": "%s"},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    return out.stdout
+
+
+def sacct_jobs_named(env: dict[str, Any], name: str) -> list[str]:
+    """Every job id accounting holds under ``name`` (all users, last 2 days): the exactly-once oracle."""
+    out = slurm_command(
+        env, ["sacct", "-a", "-X", "-P", "-n", "-S", "now-2days", "--name", name, "-o", "JobIDRaw"]
+    )
+    return [line.strip() for line in out.splitlines() if line.strip()]
+
+
+def cancel_test_jobs(env: dict[str, Any], scope: str) -> None:
+    """scancel every job (of any user) whose workflow id starts with ``slurmtest-<scope>``: the end of a test
+    module cleans up its own jobs only, never another module's running at the same time."""
+    prefix = f"vehpc-{TEST_PREFIX}{scope}"
+    out = slurm_command(env, ["squeue", "-h", "-o", "%A|%j"])
+    ids = [
+        line.split("|", 1)[0]
+        for line in out.splitlines()
+        if "|" in line and line.split("|", 1)[1].startswith(prefix)
+    ]
+    if ids:
+        slurm_command(env, ["scancel", *ids])
+
+
+def job_output(env: dict[str, Any], wf: str, job_id: str, suffix: str = "out") -> str:
+    path = Path(env["jobs_dir"]) / f"vehpc-{wf}-{job_id}.{suffix}"
+    deadline = time.monotonic() + 10
+    while not path.exists() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return path.read_text() if path.exists() else ""
+
+
+def remove_outputs(env: dict[str, Any], scope: str) -> None:
+    for path in Path(env["jobs_dir"]).glob(f"vehpc-{TEST_PREFIX}{scope}*"):
+        path.unlink(missing_ok=True)
