@@ -21,7 +21,7 @@ from temporalio.exceptions import ApplicationError
 from activities.audit import AuditLog
 from activities.chain.client import AccountingReport, ChainClient, StatusReport
 from activities.routing import RoutingEnforcer
-from activities.schedulers.base import Accounting, SchedulerAdapter, SubmitRequest
+from activities.schedulers.base import Accounting, NativeStatus, SchedulerAdapter, SubmitRequest
 from activities.schedulers.batcher import StatusBatcher
 from activities.usage_batcher import UsageBatcher
 from virtengine_hpc.config import Config
@@ -40,6 +40,7 @@ from virtengine_hpc.messages import (
 )
 from virtengine_hpc.models import JobSpec, UsageMetrics, UsageRecord
 from virtengine_hpc.signing import Signer
+from virtengine_hpc.states import JobState
 from virtengine_hpc.usage import diff_metrics, normalize_metrics, record_id, sign_record, sum_metrics
 
 log = logging.getLogger(__name__)
@@ -242,9 +243,21 @@ class JobActivities:
                         return WatchOutput(status=status, changed=True)
                 activity.heartbeat({"last_state": status.state.value, "found": status.found})
                 if datetime.now(UTC) >= request.return_by:
-                    return WatchOutput(status=status, changed=False, missing_since=missing_since)
+                    usage = await self._periodic_report(request, status)
+                    return WatchOutput(status=status, changed=False, missing_since=missing_since, usage=usage)
             elif datetime.now(UTC) >= request.return_by:
                 raise ApplicationError("scheduler unreachable; watch retried", type="SchedulerUnavailable")
+
+    async def _periodic_report(self, request: WatchInput, status: NativeStatus) -> UsageOutput | None:
+        """The report a watch carries, sent only while the job runs; a failure leaves it to ``report_usage``."""
+        if request.report is None or not status.found or status.state != JobState.RUNNING:
+            return None
+        try:
+            return await self._report_usage(request.report)
+        except ApplicationError as err:
+            if not err.non_retryable:
+                raise  # transient (chain or scheduler busy): retry the watch, which adopts a record already sent
+            return None
 
     # ---- cancellation -------------------------------------------------------------------------------------------
 
@@ -322,6 +335,9 @@ class JobActivities:
         Idempotent: the record id is deterministic, and a retry that finds its record already on chain adopts it
         instead of signing a second, different reading under the same id.
         """
+        return await self._report_usage(request)
+
+    async def _report_usage(self, request: UsageInput) -> UsageOutput:
         job = request.job
         rid = record_id(request.cluster_id, job.job_id, request.sequence)
         try:

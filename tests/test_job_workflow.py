@@ -304,3 +304,39 @@ async def test_long_job_continues_as_new_and_keeps_its_usage_sequence(pipe: Pipe
     assert len(records) >= 8, "about one record per 0.5 s over 9 s of running"
     check_usage(pipe, job_id, key_path)
     assert adapter(pipe).submits == 1, "continue-as-new never resubmits"
+
+
+async def test_history_grows_by_about_twelve_events_per_report_cycle(pipe: Pipeline) -> None:
+    """Invariant 3: a 24 h job with 5-minute reports stays under ~3,500 events without continue-as-new.
+
+    The same 6 s job runs twice: once with no periodic report (the fixed cost of a job), once with a report every
+    0.5 s; the difference per extra record is the cost of one report cycle.
+    """
+    from virtengine_hpc.messages import JobWorkflowInput
+    from virtengine_hpc.models import JobSpec
+    from workers.wiring import job_settings
+    from workflows.hpc_job import initial_search_attributes
+
+    adapter(pipe).default = Script([(0, Q), (0.2, R), (6.0, C)], exit_code=0)
+
+    async def run(report_interval: float) -> tuple[int, int]:
+        job_id = pipe.submit()
+        spec = JobSpec.model_validate(pipe.ledger.job(job_id).raw_spec)  # type: ignore[union-attr]
+        settings = job_settings(pipe.config).model_copy(update={"report_interval_seconds": report_interval})
+        inp = JobWorkflowInput(job=spec, cluster_id=pipe.cluster_id, provider=spec.provider, settings=settings)
+        handle = await pipe.client.start_workflow(
+            "HPCJobWorkflow",
+            inp,
+            id=job_id,
+            task_queue=pipe.task_queue,
+            search_attributes=initial_search_attributes(inp),
+        )
+        await pipe.handle(job_id).result()
+        events = [e async for e in handle.fetch_history_events()]
+        return len(events), len(pipe.ledger.usage_records(job_id))
+
+    (fixed, one), (events, records) = await asyncio.gather(run(3600), run(0.5))
+    assert one == 1 and records >= 6
+    per_cycle = (events - fixed) / (records - 1)
+    assert per_cycle <= 12, f"{events} events for {records} records; {fixed} for a job without periodic reports"
+    assert fixed + 288 * per_cycle < 3500, "a 24 h job at 5-minute reports"

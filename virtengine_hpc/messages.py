@@ -173,12 +173,18 @@ class WatchInput(Model):
     missing_since: datetime | None = Field(
         None, description="Since when the scheduler has not found the job."
     )
+    report: UsageInput | None = Field(
+        None,
+        description="Send this usage record when return_by arrives and the job still runs: one activity per "
+        "report cycle instead of two keeps history at about six events per cycle.",
+    )
 
 
 class WatchOutput(Model):
     status: NativeStatus
     changed: bool
     missing_since: datetime | None = None
+    usage: UsageOutput | None = Field(None, description="The record sent for ``WatchInput.report``, if any.")
 
 
 class TransitionInput(Model):
@@ -223,3 +229,7 @@ class UsageOutput(Model):
     period_end: datetime
     charged: str | None = None
     refunded: str | None = None
+
+
+WatchInput.model_rebuild()
+WatchOutput.model_rebuild()

@@ -46,6 +46,8 @@ SA_TENANT = SearchAttributeKey.for_keyword("VeTenant")
 SA_TEMPLATE = SearchAttributeKey.for_keyword("VeTemplate")
 SEARCH_ATTRIBUTES = (SA_STATE, SA_CLUSTER, SA_SCHEDULER_JOB, SA_TENANT, SA_TEMPLATE)
 
+# Usage reports ride on the watch activity (one activity per report cycle instead of two).
+PATCH_USAGE_IN_WATCH = "usage-report-in-watch"
 # Short activities heartbeat every 2 s while they wait on the scheduler; a dead worker is noticed within this.
 SHORT_HEARTBEAT = timedelta(seconds=10)
 PATCH_MULTI_CLUSTER = "multi-cluster-task-queues"
@@ -218,11 +220,14 @@ class HPCJobWorkflow:
             return
         return_by = now + timedelta(seconds=self.settings.max_watch_seconds)
         due = self._report_due()
+        report: UsageInput | None = None
         if due is not None:
             if now >= due:
                 await self._report_usage(final=False)
                 return
             return_by = min(return_by, due)
+            if (deadline is None or due <= deadline) and workflow.patched(PATCH_USAGE_IN_WATCH):
+                report = self._usage_input(final=False)
         if deadline is not None:
             return_by = min(return_by, deadline)
         request = WatchInput(
@@ -234,6 +239,7 @@ class HPCJobWorkflow:
             poll_interval_seconds=self.settings.poll_interval_seconds,
             vanished_grace_seconds=self.settings.vanished_grace_seconds,
             missing_since=self.c.missing_since,
+            report=report,
         )
         poll = self.settings.poll_interval_seconds
         handle = workflow.start_activity(
@@ -258,6 +264,8 @@ class HPCJobWorkflow:
         result: WatchOutput = await handle
         if result.missing_since != self.c.missing_since:
             self.c = self.c.model_copy(update={"missing_since": result.missing_since})
+        if result.usage is not None:
+            self._record_sent(result.usage)
         if result.changed:
             await self._apply(result.status)
 
@@ -325,25 +333,11 @@ class HPCJobWorkflow:
     async def _report_usage(
         self, *, final: bool, final_state: JobState | None = None, partial: bool = False
     ) -> None:
-        assert self.c.scheduler_job_id is not None
-        period_start = self.c.last_report_at or self.c.started_at or workflow.now()
         unlimited = final or self.settings.retry_on_failure
         try:
             out: UsageOutput = await workflow.execute_activity(
                 "report_usage",
-                UsageInput(
-                    job=self.job,
-                    cluster_id=self.c.cluster_id,
-                    scheduler_job_id=self.c.scheduler_job_id,
-                    sequence=self.c.next_sequence,
-                    period_start=period_start,
-                    previous_cumulative=self.c.last_cumulative,
-                    job_state=final_state or self.c.state,
-                    is_final=final,
-                    report_accounting=final,
-                    accept_partial=partial,
-                    max_attempts=0 if unlimited else self.settings.retry.max_retries + 1,
-                ),
+                self._usage_input(final=final, final_state=final_state, partial=partial),
                 task_queue=self.c.task_queue,
                 start_to_close_timeout=timedelta(seconds=300),
                 heartbeat_timeout=SHORT_HEARTBEAT,
@@ -354,6 +348,32 @@ class HPCJobWorkflow:
             # retry_on_failure is off and the attempts ran out: the next record covers this period too.
             self.c = self.c.model_copy(update={"last_report_at": workflow.now()})
             return
+        self._record_sent(out)
+        if final:
+            self.final_record_id = out.record_id
+            self.charged, self.refunded = out.charged, out.refunded
+
+    def _usage_input(
+        self, *, final: bool, final_state: JobState | None = None, partial: bool = False
+    ) -> UsageInput:
+        assert self.c.scheduler_job_id is not None
+        unlimited = final or self.settings.retry_on_failure
+        return UsageInput(
+            job=self.job,
+            cluster_id=self.c.cluster_id,
+            scheduler_job_id=self.c.scheduler_job_id,
+            sequence=self.c.next_sequence,
+            period_start=self.c.last_report_at or self.c.started_at or workflow.now(),
+            previous_cumulative=self.c.last_cumulative,
+            job_state=final_state or self.c.state,
+            is_final=final,
+            report_accounting=final,
+            accept_partial=partial,
+            max_attempts=0 if unlimited else self.settings.retry.max_retries + 1,
+        )
+
+    def _record_sent(self, out: UsageOutput) -> None:
+        """The chain holds record ``next_sequence``: advance the sequence and the cumulative reading."""
         self.c = self.c.model_copy(
             update={
                 "next_sequence": self.c.next_sequence + 1,
@@ -361,9 +381,6 @@ class HPCJobWorkflow:
                 "last_report_at": out.period_end,
             }
         )
-        if final:
-            self.final_record_id = out.record_id
-            self.charged, self.refunded = out.charged, out.refunded
 
     async def _send_cancel(self, reason: str) -> None:
         assert self.c.scheduler_job_id is not None
