@@ -1,0 +1,558 @@
+"""The SLURM adapter against the real local cluster, for each transport: local CLI, CLI over SSH, slurmrestd.
+
+Per transport, the jobs that must run (complete, fail, OOM, cancel while running, CPU burner, hostile environment)
+are submitted together at the first test and awaited by each test, so one node with two CPUs gets through them in
+a couple of waves. Jobs that must not run are held (``--hold``). One TIMEOUT test in all (``--time=1`` is Slurm's
+minimum: it takes 1-2 minutes), marked slow.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from decimal import Decimal
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from activities.schedulers.base import Accounting, NativeStatus, SubmitRequest, SubmitResult
+from activities.schedulers.slurm import SlurmAdapter
+from activities.schedulers.slurm.script import SubmitPlan, job_name
+from activities.schedulers.slurm.transports import SSHRunner
+from tests import slurm_cluster as sc
+from virtengine_hpc.errors import JobNotFound, SchedulerError, SchedulerUnavailable, SubmissionRejected
+from virtengine_hpc.models import JobSpec
+from virtengine_hpc.states import JobState
+
+pytestmark = pytest.mark.slurm
+
+BURN_SECONDS = 5
+BURN = (
+    "python3 - <<'EOF'\nimport time\nt = time.process_time()\n"
+    f"while time.process_time() - t < {BURN_SECONDS}:\n    pass\nEOF\n"
+)
+
+
+SCOPE = "adapter-"  # this module's jobs: workflow ids slurmtest-adapter-*, cleaned up by that prefix only
+
+
+def wid(label: str) -> str:
+    return sc.workflow_id(SCOPE + label)
+
+
+@pytest.fixture(scope="module")
+def env() -> dict[str, Any]:
+    return sc.cluster()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _cleanup(env: dict[str, Any]) -> Any:
+    yield
+    sc.cancel_test_jobs(env, SCOPE)
+    sc.remove_outputs(env, SCOPE)
+
+
+@pytest.fixture(scope="module", params=sc.TRANSPORTS)
+async def slurm(request: pytest.FixtureRequest, env: dict[str, Any]) -> AsyncIterator[SlurmAdapter]:
+    adapter = sc.adapter(env, request.param)
+    yield adapter
+    leftover = _started.pop(id(adapter), {})
+    for task in leftover.values():
+        task.cancel()
+    await asyncio.gather(*leftover.values(), return_exceptions=True)
+    await adapter.close()
+
+
+@dataclass
+class Outcome:
+    workflow_id: str
+    submitted: SubmitResult
+    final: NativeStatus
+    states: list[JobState] = field(default_factory=list)
+    usage: Accounting | None = None
+    live: list[Accounting] = field(default_factory=list)
+
+
+async def run_job(
+    adapter: SlurmAdapter,
+    wf: str,
+    job: JobSpec,
+    *,
+    on_running: Callable[[str], Awaitable[None]] | None = None,
+    sample_usage: bool = False,
+    timeout: float = 150,
+) -> Outcome:
+    submitted = await adapter.submit(SubmitRequest(workflow_id=wf, job=job, body=job.script or ""))
+    job_id = submitted.scheduler_job_id
+    states: list[JobState] = []
+    live: list[Accounting] = []
+    acted = False
+    deadline = time.monotonic() + timeout
+    while True:
+        status = (await adapter.status_batch([job_id]))[job_id]
+        assert status.found, status
+        if not states or states[-1] != status.state:
+            states.append(status.state)
+        if status.state.final:
+            break
+        if status.state == JobState.RUNNING:
+            if on_running is not None and not acted:
+                acted = True
+                await on_running(job_id)
+            if sample_usage:
+                live.append(await adapter.usage(job_id))
+        assert time.monotonic() < deadline, f"{wf} not final after {timeout} s: {states}"
+        await asyncio.sleep(0.5)
+    usage = None
+    while time.monotonic() < deadline:
+        usage = await adapter.usage(job_id)
+        if usage.final:
+            break
+        await asyncio.sleep(1)
+    return Outcome(wf, submitted, status, states, usage, live)
+
+
+def _scenarios(env: dict[str, Any], adapter: SlurmAdapter) -> dict[str, asyncio.Task[Outcome]]:
+    marker = f"/tmp/vehpc-pwned-{uuid.uuid4().hex[:8]}"
+    hostile = {
+        "SUBST": f"$(touch {marker})",
+        "TICKS": f"`touch {marker}`",
+        "SEMI": f"x; touch {marker}",
+        "QUOTES": 'it\'s "quoted" \\ $HOME',
+    }
+    hostile_body = (
+        "#!/bin/bash\n#SBATCH --partition=nosuchpartition\n#SBATCH --job-name=evil\n"
+        'printf "%s\\n" "$SUBST" "$TICKS" "$SEMI" "$QUOTES" "$SLURM_JOB_NAME" "$SLURM_JOB_PARTITION"\n'
+    )
+
+    async def cancel(job_id: str) -> None:
+        await asyncio.sleep(2)  # let it run a little: a job cancelled in its first second has no elapsed time
+        await adapter.cancel(job_id)
+
+    jobs: dict[str, tuple[str, Callable[[str], Awaitable[Outcome]]]] = {}
+
+    def add(name: str, make: Callable[[str], Awaitable[Outcome]]) -> None:
+        jobs[name] = (wid(name), make)
+
+    add("complete", lambda wf: run_job(adapter, wf, sc.spec(wf, "echo done\n")))
+    add("fail", lambda wf: run_job(adapter, wf, sc.spec(wf, "echo failing >&2\nexit 3\n")))
+    add("running-cancel", lambda wf: run_job(adapter, wf, sc.spec(wf, "sleep 120\n"), on_running=cancel))
+    add("burn", lambda wf: run_job(adapter, wf, sc.spec(wf, BURN), sample_usage=True))
+    add("hostile", lambda wf: run_job(adapter, wf, sc.spec(wf, hostile_body, environment=hostile)))
+    if env.get("memory_enforced"):
+        oom = "python3 -c 'b = bytearray(400 * 1024 * 1024); import time; time.sleep(5)'\n"
+        add("oom", lambda wf: run_job(adapter, wf, sc.spec(wf, oom, resources={"memory_mb_per_node": 100})))
+    tasks = {name: asyncio.ensure_future(make(wf)) for name, (wf, make) in jobs.items()}
+    tasks["hostile"].marker = marker  # type: ignore[attr-defined]
+    return tasks
+
+
+_started: dict[int, dict[str, asyncio.Task[Outcome]]] = {}
+
+
+@pytest.fixture
+def outcomes(env: dict[str, Any], slurm: SlurmAdapter) -> dict[str, asyncio.Task[Outcome]]:
+    """The running jobs of this transport, started once (at the first test that asks)."""
+    key = id(slurm)
+    if key not in _started:
+        _started[key] = _scenarios(env, slurm)
+    return _started[key]
+
+
+def transport(adapter: SlurmAdapter) -> str:
+    return adapter.config.transport or "cli"
+
+
+# ---- jobs that run -----------------------------------------------------------------------------------------------
+
+
+async def test_completed_job_reports_its_end_and_exact_final_usage(
+    env: dict[str, Any], slurm: SlurmAdapter, outcomes: dict[str, asyncio.Task[Outcome]]
+) -> None:
+    outcome = await outcomes["complete"]
+    assert outcome.final.state == JobState.COMPLETED
+    assert outcome.final.exit_code == 0
+    assert outcome.states[-1] == JobState.COMPLETED and JobState.FAILED not in outcome.states
+    assert outcome.usage is not None and outcome.usage.final
+    metrics = outcome.usage.metrics
+    wall = metrics.wall_clock_seconds
+    # memory GB-s = allocation (256 MiB) x elapsed, exactly: a sub-GiB job is not floored to 0.
+    assert metrics.memory_gb_seconds == (Decimal(256 * 1024 * 1024) / Decimal(10**9) * wall).quantize(
+        Decimal("0.000001")
+    )
+    assert metrics.node_hours == (wall / 3600).quantize(Decimal("0.000001"))
+    job_id = outcome.submitted.scheduler_job_id
+    assert await slurm.find(outcome.workflow_id) == job_id
+    again = await slurm.submit(
+        SubmitRequest(
+            workflow_id=outcome.workflow_id, job=sc.spec(outcome.workflow_id, "echo done\n"), body="x"
+        )
+    )
+    assert again == SubmitResult(scheduler_job_id=job_id, adopted=True), (
+        "a finished job is adopted, not redone"
+    )
+    assert sc.sacct_jobs_named(env, job_name(outcome.workflow_id)) == [job_id]
+
+
+async def test_failed_job_keeps_its_exit_code(outcomes: dict[str, asyncio.Task[Outcome]]) -> None:
+    outcome = await outcomes["fail"]
+    assert outcome.final.state == JobState.FAILED
+    assert outcome.final.exit_code == 3
+    assert "exit code 3" in outcome.final.reason
+    assert outcome.usage is not None and outcome.usage.final
+
+
+async def test_out_of_memory_job_fails_with_the_reason(
+    env: dict[str, Any], outcomes: dict[str, asyncio.Task[Outcome]]
+) -> None:
+    if "oom" not in outcomes:
+        pytest.skip("cgroup memory limits are not enforced on this cluster (memory_enforced: false)")
+    outcome = await outcomes["oom"]
+    assert outcome.final.state == JobState.FAILED
+    assert outcome.final.native_state == "OUT_OF_MEMORY"
+    assert "out of memory" in outcome.final.reason
+    assert outcome.usage is not None and outcome.usage.final
+
+
+async def test_job_cancelled_while_running(
+    slurm: SlurmAdapter, outcomes: dict[str, asyncio.Task[Outcome]]
+) -> None:
+    outcome = await outcomes["running-cancel"]
+    assert JobState.RUNNING in outcome.states
+    assert outcome.final.state == JobState.CANCELLED
+    assert outcome.final.reason.startswith("cancelled")
+    assert outcome.usage is not None and outcome.usage.final and outcome.usage.metrics.wall_clock_seconds > 0
+    await slurm.cancel(outcome.submitted.scheduler_job_id)  # already ended: not an error
+
+
+async def test_cpu_burner_usage_matches_sacct(
+    env: dict[str, Any], slurm: SlurmAdapter, outcomes: dict[str, asyncio.Task[Outcome]]
+) -> None:
+    outcome = await outcomes["burn"]
+    assert outcome.final.state == JobState.COMPLETED
+    assert outcome.usage is not None and outcome.usage.final
+    final = outcome.usage.metrics
+    job_id = outcome.submitted.scheduler_job_id
+    line = sc.slurm_command(env, ["sacct", "-P", "-n", "-j", job_id, "-o", "JobIDRaw,TotalCPU,ElapsedRaw"])
+    fields = next(row.split("|") for row in line.splitlines() if row.split("|")[0] == job_id)
+    from activities.schedulers.slurm.parsers import parse_duration
+
+    sacct_cpu, sacct_wall = parse_duration(fields[1]) or Decimal(0), Decimal(fields[2])
+    assert abs(final.cpu_core_seconds - sacct_cpu) <= Decimal("0.1") * sacct_cpu
+    assert abs(final.wall_clock_seconds - sacct_wall) <= max(Decimal(1), Decimal("0.1") * sacct_wall)
+    assert abs(final.cpu_core_seconds - BURN_SECONDS) <= Decimal("0.1") * BURN_SECONDS
+    # Running readings climb and never pass the final one (so period records add up to it).
+    readings = [a.metrics for a in outcome.live]
+    assert readings, "the burner was seen running"
+    for earlier, later in itertools.pairwise(readings):
+        assert later.wall_clock_seconds >= earlier.wall_clock_seconds
+        assert later.cpu_core_seconds >= earlier.cpu_core_seconds
+    assert all(r.cpu_core_seconds <= final.cpu_core_seconds for r in readings)
+    if transport(slurm) != "rest":  # slurmrestd v0.0.38 has no sstat: CPU arrives with the final accounting
+        assert max(r.cpu_core_seconds for r in readings) > 0, "sstat saw the CPU being burnt"
+
+
+async def test_hostile_environment_stays_literal_and_tenant_directives_are_ignored(
+    env: dict[str, Any], outcomes: dict[str, asyncio.Task[Outcome]]
+) -> None:
+    task = outcomes["hostile"]
+    outcome = await task
+    marker = task.marker  # type: ignore[attr-defined]
+    assert outcome.final.state == JobState.COMPLETED, outcome.final
+    lines = sc.job_output(env, outcome.workflow_id, outcome.submitted.scheduler_job_id).splitlines()
+    assert lines[:4] == [
+        f"$(touch {marker})",
+        f"`touch {marker}`",
+        f"x; touch {marker}",
+        'it\'s "quoted" \\ $HOME',
+    ]
+    assert lines[4] == job_name(outcome.workflow_id), "the tenant's #SBATCH --job-name was ignored"
+    assert lines[5] == env["partition"], "the tenant's #SBATCH --partition was ignored"
+    assert not Path(marker).exists(), "no hostile string reached a shell"
+
+
+# ---- jobs that never run -----------------------------------------------------------------------------------------
+
+
+async def test_rejected_submission_is_final_with_slurms_reason(slurm: SlurmAdapter) -> None:
+    wf = wid("reject")
+    before = sum(slurm.calls.get(k, 0) for k in ("sbatch", "job/submit"))
+    with pytest.raises(SubmissionRejected) as caught:
+        await slurm.submit(
+            SubmitRequest(
+                workflow_id=wf, job=sc.spec(wf, "true\n", partition="nosuchpartition"), body="true\n"
+            )
+        )
+    assert "Invalid partition" in str(caught.value) or "invalid partition" in str(caught.value)
+    assert not caught.value.transient
+    assert sum(slurm.calls.get(k, 0) for k in ("sbatch", "job/submit")) == before + 1, "not retried"
+
+
+async def test_pending_job_cancelled_and_retried_submit_adopts(
+    env: dict[str, Any], slurm: SlurmAdapter
+) -> None:
+    held = sc.adapter(env, transport(slurm), hold=True)
+    try:
+        wf = wid("held")
+        job = sc.spec(wf, "echo never\n")
+        first = await held.submit(SubmitRequest(workflow_id=wf, job=job, body="echo never\n"))
+        status = (await held.status_batch([first.scheduler_job_id]))[first.scheduler_job_id]
+        assert status.state == JobState.QUEUED and status.reason == "pending: JobHeldUser"
+        # The retried submit of the same workflow (its first answer lost) adopts: accounting does not know
+        # the job yet (4-5 s lag), the controller does.
+        retried = await held.submit(SubmitRequest(workflow_id=wf, job=job, body="echo never\n"))
+        assert retried == SubmitResult(scheduler_job_id=first.scheduler_job_id, adopted=True)
+        assert (await held.usage(first.scheduler_job_id)).metrics.wall_clock_seconds == 0
+        await held.cancel(first.scheduler_job_id)
+        final = await sc.wait_final(held, first.scheduler_job_id, timeout=60)
+        assert final.state == JobState.CANCELLED and final.start_time is None
+        usage = await held.usage(first.scheduler_job_id)
+        assert usage.final and usage.metrics.wall_clock_seconds == 0
+        await held.cancel(first.scheduler_job_id)  # again: not an error
+    finally:
+        await held.close()
+
+
+async def test_unknown_jobs_are_not_found_never_completed(slurm: SlurmAdapter) -> None:
+    statuses = await slurm.status_batch(["999999", "12x", "999998"])
+    assert all(not s.found for s in statuses.values())
+    with pytest.raises(JobNotFound):
+        await slurm.usage("999999")
+    with pytest.raises(JobNotFound):
+        await slurm.cancel("1; touch /tmp/x")
+
+
+class _LosesAnswers:
+    """Backend wrapper: submits for real, then 'loses' the answer once (as a dropped connection would)."""
+
+    def __init__(self, adapter: SlurmAdapter) -> None:
+        self.real = adapter.backend.submit
+        self.lost = 0
+        adapter.backend.submit = self.submit  # type: ignore[method-assign]
+
+    async def submit(self, plan: SubmitPlan) -> str:
+        job_id = await self.real(plan)
+        if self.lost == 0:
+            self.lost += 1
+            raise SchedulerUnavailable(f"connection lost after the scheduler accepted job {job_id}")
+        return job_id
+
+
+async def wait_in_accounting(env: dict[str, Any], wf: str, timeout: float = 40) -> list[str]:
+    """Job ids accounting holds for the workflow's name, once it has heard of them (4-5 s after submission).
+
+    Accounting finds jobs by name only once they were eligible to run: held jobs never show up this way, so
+    the exactly-once tests use short real jobs.
+    """
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        ids = sc.sacct_jobs_named(env, job_name(wf))
+        if ids:
+            return ids
+        await asyncio.sleep(1)
+    return []
+
+
+async def test_lost_submit_answer_is_adopted_inside_the_adapter(
+    env: dict[str, Any], slurm: SlurmAdapter
+) -> None:
+    adapter = sc.adapter(env, transport(slurm))
+    try:
+        loser = _LosesAnswers(adapter)
+        wf = wid("lost")
+        result = await adapter.submit(SubmitRequest(workflow_id=wf, job=sc.spec(wf, "true\n"), body="true\n"))
+        assert loser.lost == 1 and result.adopted
+        # Concurrent submits of one workflow in one process: one lookup, one job.
+        wf2 = wid("concurrent")
+        request = SubmitRequest(workflow_id=wf2, job=sc.spec(wf2, "true\n"), body="true\n")
+        results = await asyncio.gather(*(adapter.submit(request) for _ in range(3)))
+        assert len({r.scheduler_job_id for r in results}) == 1
+        assert sorted(r.adopted for r in results) == [False, True, True]
+        assert await wait_in_accounting(env, wf) == [result.scheduler_job_id], "exactly one Slurm job"
+        assert await wait_in_accounting(env, wf2) == [results[0].scheduler_job_id], "exactly one Slurm job"
+    finally:
+        await adapter.close()
+
+
+async def test_job_the_controller_forgot_is_found_in_accounting(
+    env: dict[str, Any], slurm: SlurmAdapter
+) -> None:
+    """After MinJobAge (300 s) only accounting knows a job: simulate it by hiding the controller's answer."""
+    adapter = sc.adapter(env, transport(slurm))
+    try:
+        wf = wid("forgot")
+        submitted = await adapter.submit(
+            SubmitRequest(workflow_id=wf, job=sc.spec(wf, "true\n"), body="true\n")
+        )
+        assert await wait_in_accounting(env, wf) == [submitted.scheduler_job_id]
+
+        async def forgetful(names: Any) -> list[Any]:
+            return []
+
+        adapter.backend.queue_by_names = forgetful  # type: ignore[method-assign]
+        assert await adapter.find(wf) == submitted.scheduler_job_id
+        again = await adapter.submit(SubmitRequest(workflow_id=wf, job=sc.spec(wf, "true\n"), body="true\n"))
+        assert again == SubmitResult(scheduler_job_id=submitted.scheduler_job_id, adopted=True)
+    finally:
+        await adapter.close()
+
+
+async def test_submitter_killed_after_sbatch_leaves_exactly_one_job(
+    env: dict[str, Any], tmp_path: Path
+) -> None:
+    """kill -9 between 'sbatch answered' and 'submit returned'; the retried submit adopts; one job in sacct."""
+    wf = wid("sigkill")
+    child = tmp_path / "submitter.py"
+    child.write_text(
+        "import asyncio, os, signal, sys\n"
+        f"sys.path.insert(0, {str(sc.REPO)!r})\n"
+        "from tests import slurm_cluster as sc\n"
+        "from activities.schedulers.base import SubmitRequest\n"
+        "async def main():\n"
+        "    a = sc.adapter(sc.cluster(), 'cli')\n"
+        "    real = a.backend.submit\n"
+        "    async def submit_then_die(plan):\n"
+        "        job_id = await real(plan)\n"
+        "        print(job_id, flush=True)\n"
+        "        os.kill(os.getpid(), signal.SIGKILL)\n"
+        "    a.backend.submit = submit_then_die\n"
+        f"    wf = {wf!r}\n"
+        "    await a.submit(SubmitRequest(workflow_id=wf, job=sc.spec(wf, 'true\\n'), body='true\\n'))\n"
+        "asyncio.run(main())\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, str(child)], capture_output=True, text=True, timeout=60, cwd=sc.REPO
+    )
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    job_id = proc.stdout.strip()
+    assert job_id.isdigit()
+    adapter = sc.adapter(env, "cli")
+    try:
+        # Right after the crash accounting has not heard of the job (4-5 s lag): the controller's view adopts it.
+        recovered = await adapter.submit(
+            SubmitRequest(workflow_id=wf, job=sc.spec(wf, "true\n"), body="true\n")
+        )
+        assert recovered == SubmitResult(scheduler_job_id=job_id, adopted=True)
+        assert await wait_in_accounting(env, wf) == [job_id]
+    finally:
+        await adapter.close()
+
+
+# ---- the transport itself ----------------------------------------------------------------------------------------
+
+
+async def test_ssh_arguments_reach_the_command_verbatim(env: dict[str, Any]) -> None:
+    marker = f"/tmp/vehpc-pwned-{uuid.uuid4().hex[:8]}"
+    runner = SSHRunner(
+        host=env["ssh_host"],
+        port=env["ssh_port"],
+        user=env["ssh_user"],
+        key_path=Path(env["ssh_key_file"]),
+        known_hosts=Path(env["ssh_known_hosts"]),
+        timeout=20,
+    )
+    try:
+        args = [f"$(touch {marker})", f"`touch {marker}`", f"a; touch {marker}", "it's", "*", "$HOME", "a b"]
+        result = await runner.run(["printf", "%s\\n", *args], timeout=20)
+        assert result.exit_code == 0
+        assert result.stdout.splitlines() == args
+        assert not Path(marker).exists()
+        script = f"echo $(echo inner) ; echo {marker}\n"
+        piped = await runner.run(["cat"], stdin=script, timeout=20)
+        assert piped.stdout == script, "a script on stdin arrives byte for byte"
+        # One connection serves every command (TCP_NODELAY: no 40 ms stall per command).
+        started = time.monotonic()
+        for _ in range(10):
+            await runner.run(["true"], timeout=20)
+        assert runner.connects == 1
+        assert (time.monotonic() - started) / 10 < 0.2
+    finally:
+        await runner.close()
+
+
+async def test_ssh_refuses_an_unknown_host_key(env: dict[str, Any], tmp_path: Path) -> None:
+    from virtengine_hpc.errors import SecurityError
+
+    empty = tmp_path / "known_hosts"
+    empty.write_text("")
+    runner = SSHRunner(
+        host=env["ssh_host"],
+        port=env["ssh_port"],
+        user=env["ssh_user"],
+        key_path=Path(env["ssh_key_file"]),
+        known_hosts=empty,
+        timeout=10,
+    )
+    with pytest.raises(SecurityError, match="known_hosts"):
+        await runner.run(["true"], timeout=10)
+    await runner.close()
+
+
+async def test_wrong_cluster_name_is_a_config_error(env: dict[str, Any]) -> None:
+    from virtengine_hpc.errors import ConfigError
+
+    adapter = sc.adapter(env, "cli", cluster_name="not-this-cluster")
+    try:
+        with pytest.raises(ConfigError, match="not-this-cluster"):
+            await adapter.status_batch(["1"])
+    finally:
+        await adapter.close()
+
+
+async def test_drain_and_resume_node_with_a_hostile_reason(env: dict[str, Any]) -> None:
+    adapter = sc.adapter(env, "cli")
+    node = env["node"]
+    reason = f"maintenance $(touch /tmp/vehpc-pwned-drain) `id`; {uuid.uuid4().hex[:6]}"
+    try:
+        await adapter.drain_node(node, reason)
+        try:
+            shown = sc.slurm_command(env, ["scontrol", "show", "node", node])
+            assert f"Reason={reason}" in shown
+            assert "DRAIN" in shown
+        finally:
+            await adapter.resume_node(node)
+        await adapter.resume_node(node)  # resuming a node that is not drained: nothing to do, no error
+        assert "DRAIN" not in sc.slurm_command(env, ["scontrol", "show", "node", node])
+        assert not Path("/tmp/vehpc-pwned-drain").exists()
+        assert await adapter.node_busy(node) in (True, False)
+        with pytest.raises(SchedulerError):
+            await adapter.drain_node("node1; touch /tmp/x", "x")
+        with pytest.raises(SchedulerError, match="Invalid node name"):
+            await adapter.drain_node("nosuchnode", "x")
+    finally:
+        await adapter.close()
+
+
+async def test_rest_transport_cannot_drain_and_says_so(env: dict[str, Any]) -> None:
+    adapter = sc.adapter(env, "rest")
+    try:
+        with pytest.raises(NotImplementedError, match="cli or ssh"):
+            await adapter.drain_node(env["node"], "x")
+        assert await adapter.node_busy(env["node"]) in (True, False)
+    finally:
+        await adapter.close()
+
+
+# ---- TIMEOUT (slow: Slurm's shortest walltime is one minute) -----------------------------------------------------
+
+
+@pytest.mark.slow
+async def test_job_past_its_walltime_times_out(env: dict[str, Any]) -> None:
+    adapter = sc.adapter(env, "cli")
+    try:
+        wf = wid("timeout")
+        outcome = await run_job(adapter, wf, sc.spec(wf, "sleep 600\n", walltime_seconds=60), timeout=240)
+        assert outcome.final.state == JobState.TIMEOUT
+        assert "time limit" in outcome.final.reason
+        assert outcome.usage is not None and outcome.usage.final
+        assert outcome.usage.metrics.wall_clock_seconds >= 60
+    finally:
+        await adapter.close()
