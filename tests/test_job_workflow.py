@@ -306,8 +306,8 @@ async def test_long_job_continues_as_new_and_keeps_its_usage_sequence(pipe: Pipe
     assert adapter(pipe).submits == 1, "continue-as-new never resubmits"
 
 
-async def test_history_grows_by_about_twelve_events_per_report_cycle(pipe: Pipeline) -> None:
-    """Invariant 3: a 24 h job with 5-minute reports stays under ~3,500 events without continue-as-new.
+async def test_history_grows_by_about_six_events_per_report_cycle(pipe: Pipeline) -> None:
+    """Invariant 3: a 24 h job with 5-minute reports stays near 1,900 events without continue-as-new.
 
     The same 6 s job runs twice: once with no periodic report (the fixed cost of a job), once with a report every
     0.5 s; the difference per extra record is the cost of one report cycle.
@@ -338,5 +338,6 @@ async def test_history_grows_by_about_twelve_events_per_report_cycle(pipe: Pipel
     (fixed, one), (events, records) = await asyncio.gather(run(3600), run(0.5))
     assert one == 1 and records >= 6
     per_cycle = (events - fixed) / (records - 1)
-    assert per_cycle <= 12, f"{events} events for {records} records; {fixed} for a job without periodic reports"
-    assert fixed + 288 * per_cycle < 3500, "a 24 h job at 5-minute reports"
+    # The watch activity carries the report: ~6 events per cycle (DESIGN.md allows about 12).
+    assert per_cycle <= 7, f"{events} events for {records} records; {fixed} for a job without periodic reports"
+    assert fixed + 288 * per_cycle < 2200, "a 24 h job at 5-minute reports"
