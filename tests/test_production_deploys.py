@@ -92,7 +92,7 @@ async def set_current(client: Client, config: Config, build_id: str) -> None:
             await client.workflow_service.set_worker_deployment_current_version(
                 SetWorkerDeploymentCurrentVersionRequest(
                     namespace=config.temporal.namespace,
-                    deployment_name=config.temporal.deployment_name,
+                    deployment_name=config.temporal.deployment_name or "",
                     build_id=build_id,
                     identity="test-deployer",
                 )
