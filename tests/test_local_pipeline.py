@@ -1,0 +1,94 @@
+"""Every job outcome end to end on the embedded default: chain poller, workflow, local executor running real
+processes, signed usage, settlement (what ``make demo`` shows, asserted)."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator
+from decimal import Decimal
+from pathlib import Path
+
+import pytest
+from temporalio.client import Client
+
+from activities.schedulers.local import LocalAdapter
+from tests.conftest import make_config
+from tests.pipeline_harness import TENANT, Pipeline, running_pipeline
+from virtengine_hpc.config import Secrets
+from virtengine_hpc.signing import Signer
+from virtengine_hpc.states import JobState
+from virtengine_hpc.usage import sum_metrics, verify_record
+
+# A fixed amount of work; bash's `times` then reports the CPU the job really used, to compare with the records.
+BURN = "i=0; while [ $i -lt 100000 ]; do i=$((i+1)); done\ntimes > cpu_times.txt\n"
+
+
+@pytest.fixture
+async def pipe(client: Client, tmp_path: Path, key_path: Path, task_queue: str) -> AsyncIterator[Pipeline]:
+    config = make_config(
+        tmp_path,
+        hpc={
+            "cluster_id": f"c-{uuid.uuid4().hex[:8]}",
+            "local": {"max_walltime": "5s", "kill_wait": "1s", "job_poll_interval": "200ms"},
+        },
+    )
+    adapter = LocalAdapter.from_config(config, Secrets(), config.hpc.cluster_id)
+    async with running_pipeline(client, config, key_path, adapter, task_queue) as p:
+        yield p
+
+
+async def test_every_outcome_on_the_local_executor(pipe: Pipeline, key_path: Path) -> None:
+    jobs = {
+        "success": pipe.submit(script=BURN),
+        "failure": pipe.submit(script="echo oops >&2\nexit 3\n"),
+        "walltime": pipe.submit(script="sleep 120\n"),
+        "cancelled": pipe.submit(script="sleep 120\n"),
+        "rejected": pipe.submit(decide=False),
+    }
+    await pipe.wait_started(jobs["cancelled"])
+    for _ in range(100):
+        if pipe.ledger.job(jobs["cancelled"]).state == JobState.RUNNING:  # type: ignore[union-attr]
+            break
+        await asyncio.sleep(0.2)
+    pipe.ledger.request_cancel(jobs["cancelled"])
+    results = await pipe.run_until_done(list(jobs.values()), timeout=120)
+
+    state = {label: results[job_id].state for label, job_id in jobs.items()}
+    assert state == {
+        "success": JobState.COMPLETED,
+        "failure": JobState.FAILED,
+        "walltime": JobState.TIMEOUT,
+        "cancelled": JobState.CANCELLED,
+        "rejected": JobState.FAILED,
+    }
+    assert pipe.ledger.job(jobs["failure"]).exit_code == 3  # type: ignore[union-attr]
+    assert "walltime" in results[jobs["walltime"]].message
+    assert "routing_rejected" in results[jobs["rejected"]].message
+
+    public = Signer.from_file(key_path).public_key
+    for label in ("success", "failure", "walltime", "cancelled"):
+        records = pipe.ledger.usage_records(jobs[label])
+        assert [r.sequence for r in records] == list(range(1, len(records) + 1))
+        assert [r.is_final for r in records].count(True) == 1 and records[-1].is_final
+        assert all(verify_record(r, public) for r in records)
+        settlement = pipe.ledger.settlement(jobs[label])
+        assert settlement is not None and settlement.charged + settlement.refunded == settlement.escrow
+    burned = sum_metrics([r.metrics for r in pipe.ledger.usage_records(jobs["success"])])
+    own = _bash_times(pipe, results[jobs["success"]].scheduler_job_id)
+    assert abs(burned.cpu_core_seconds - own) <= max(Decimal("0.1"), own * Decimal("0.15")), (burned, own)
+    assert burned.wall_clock_seconds >= own * Decimal("0.9")
+    refund = pipe.ledger.settlement(jobs["rejected"])
+    assert refund is not None and refund.charged == 0 and refund.refunded == refund.escrow
+    assert pipe.ledger.balance(TENANT) > Decimal("100000") - Decimal("500")
+
+
+def _bash_times(pipe: Pipeline, scheduler_job_id: str | None) -> Decimal:
+    """User + system CPU of the shell as its own `times` reported it (first line: 0m1.234s 0m0.010s)."""
+    job_dir = pipe.config.local_state_dir / "jobs" / str(scheduler_job_id)
+    first = (job_dir / "cpu_times.txt").read_text().splitlines()[0].split()
+    total = Decimal(0)
+    for part in first:
+        minutes, seconds = part.rstrip("s").split("m")
+        total += Decimal(minutes) * 60 + Decimal(seconds)
+    return total
