@@ -339,8 +339,9 @@ _CLUSTER_ID = r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$"
 class ClusterConfig(Section):
     """One of the provider's clusters in ``hpc.clusters``: its id, scheduler and whether this worker serves it.
 
-    A key left out takes its value from the ``hpc`` section (``scheduler_type``, ``slurm``, ``moab``, ``ood``,
-    ``local``), so clusters that share most settings repeat only what differs. See docs/production.md.
+    What an entry leaves out comes from the ``hpc`` section: ``scheduler_type``, and every key of ``slurm``,
+    ``moab``, ``ood`` and ``local`` (an entry's section is merged key by key over the ``hpc`` one), so clusters
+    that share most settings repeat only what differs. See docs/production.md.
     """
 
     cluster_id: str = Field(pattern=_CLUSTER_ID, description="The cluster's id on chain.")
@@ -352,15 +353,15 @@ class ClusterConfig(Section):
         description="Run this cluster's task queue (<temporal.task_queue>.<cluster_id>) in this worker. false: "
         "workers on another host serve it; this one only routes jobs to it.",
     )
-    slurm: SlurmConfig | None = Field(None, description="SLURM settings of this cluster; default: hpc.slurm.")
-    moab: MoabConfig | None = Field(None, description="MOAB settings of this cluster; default: hpc.moab.")
+    slurm: SlurmConfig | None = Field(None, description="SLURM settings of this cluster, merged key by key over hpc.slurm.")
+    moab: MoabConfig | None = Field(None, description="MOAB settings of this cluster, merged key by key over hpc.moab.")
     ood: OODConfig | None = Field(
-        None, description="Open OnDemand settings of this cluster; default: hpc.ood."
+        None, description="Open OnDemand settings of this cluster, merged key by key over hpc.ood."
     )
     local: LocalSchedulerConfig | None = Field(
         None,
-        description="Local executor settings of this cluster; default: hpc.local with its own state_dir "
-        "<state_store_path>/local-jobs/<cluster_id>.",
+        description="Local executor settings of this cluster, merged key by key over hpc.local; its state_dir "
+        "defaults to <state_store_path>/local-jobs/<cluster_id>.",
     )
 
 
@@ -397,13 +398,24 @@ class HPCConfig(Section):
 
     @model_validator(mode="before")
     @classmethod
-    def _default_cluster_is_the_first_listed(cls, data: Any) -> Any:
-        if isinstance(data, Mapping) and "cluster_id" not in data:
-            clusters = data.get("clusters")
-            if isinstance(clusters, list) and clusters and isinstance(clusters[0], Mapping):
-                first = clusters[0].get("cluster_id")
-                if isinstance(first, str):
-                    return {**data, "cluster_id": first}
+    def _clusters_inherit_the_hpc_sections(cls, data: Any) -> Any:
+        """Merge each entry's scheduler sections over the ``hpc`` ones; the default cluster is the first."""
+        if not isinstance(data, Mapping) or not isinstance(data.get("clusters"), list):
+            return data
+        clusters = []
+        for entry in data["clusters"]:
+            if isinstance(entry, Mapping):
+                entry = dict(entry)
+                for section in ("slurm", "moab", "ood", "local"):
+                    base, own = data.get(section), entry.get(section)
+                    if isinstance(base, Mapping) and isinstance(own, Mapping):
+                        entry[section] = {**base, **own}
+            clusters.append(entry)
+        data = {**data, "clusters": clusters}
+        if "cluster_id" not in data and clusters and isinstance(clusters[0], Mapping):
+            first = clusters[0].get("cluster_id")
+            if isinstance(first, str):
+                data["cluster_id"] = first
         return data
 
     @model_validator(mode="after")
