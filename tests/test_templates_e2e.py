@@ -21,6 +21,7 @@ from temporalio.client import Client
 from activities.schedulers.local import LocalAdapter
 from tests.conftest import make_config
 from tests.pipeline_harness import TENANT, Pipeline, running_pipeline
+from virtengine_hpc.cli import main as cli_main
 from virtengine_hpc.config import Secrets
 from virtengine_hpc.models import PricedQueue
 from virtengine_hpc.signing import Signer, public_key_b64
@@ -136,7 +137,9 @@ async def test_batch_mpi_gpu_and_data_templates_run_end_to_end(pipe: Pipeline, t
     assert (out_dir / "result.txt").read_text() == "328350\n"
 
 
-async def test_interactive_session_serves_an_endpoint_until_cancelled(pipe: Pipeline) -> None:
+async def test_interactive_session_serves_an_endpoint_until_cancelled(
+    pipe: Pipeline, capsys: pytest.CaptureFixture[str]
+) -> None:
     job_id = pipe.submit(
         template_id="interactive-session",
         template_parameters={"service": "http", "command": f"{PY} -m http.server {{port}} --bind 127.0.0.1"},
@@ -161,6 +164,11 @@ async def test_interactive_session_serves_an_endpoint_until_cancelled(pipe: Pipe
     assert reply.status == 200
     assert pipe.ledger.job(job_id).state == JobState.RUNNING  # type: ignore[union-attr]
     assert "http ready at" in output(pipe, job_id)
+    # The provider reads the endpoint to hand it to the tenant.
+    config_file = pipe.config.hpc.job_service.state_store_path.parent / "session-config.json"
+    config_file.write_text(pipe.config.model_dump_json(exclude_defaults=True))
+    assert cli_main(["--config", str(config_file), "templates", "session", job_id]) == 0
+    assert json.loads(capsys.readouterr().out) == endpoint
     pipe.ledger.request_cancel(job_id)
     results = await pipe.run_until_done([job_id], timeout=60)
     assert results[job_id].state == JobState.CANCELLED
