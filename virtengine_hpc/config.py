@@ -353,8 +353,12 @@ class ClusterConfig(Section):
         description="Run this cluster's task queue (<temporal.task_queue>.<cluster_id>) in this worker. false: "
         "workers on another host serve it; this one only routes jobs to it.",
     )
-    slurm: SlurmConfig | None = Field(None, description="SLURM settings of this cluster, merged key by key over hpc.slurm.")
-    moab: MoabConfig | None = Field(None, description="MOAB settings of this cluster, merged key by key over hpc.moab.")
+    slurm: SlurmConfig | None = Field(
+        None, description="SLURM settings of this cluster, merged key by key over hpc.slurm."
+    )
+    moab: MoabConfig | None = Field(
+        None, description="MOAB settings of this cluster, merged key by key over hpc.moab."
+    )
     ood: OODConfig | None = Field(
         None, description="Open OnDemand settings of this cluster, merged key by key over hpc.ood."
     )
