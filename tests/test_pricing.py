@@ -15,6 +15,7 @@ import pytest
 
 from activities.chain.client import AccountingReport, StatusReport, UsageSubmitResult
 from activities.chain.local_ledger import LocalLedger
+from activities.schedulers.base import SubmitRequest
 from activities.usage_batcher import UsageBatcher
 from tests.conftest import make_config
 from virtengine_hpc.cli import main as cli_main
@@ -354,3 +355,68 @@ async def test_a_transient_chain_error_reaches_every_waiter_for_retry() -> None:
     assert len(chain.calls) == 1
     chain.unavailable = False
     assert (await batcher.submit(record(0))).accepted == [record(0).record_id], "the retry goes through"
+
+
+async def test_report_usage_activities_share_batched_chain_calls(tmp_path: Path, key_path: Path) -> None:
+    """Seven jobs report usage at once through the real activity: ceil(7 / 3) = 3 chain calls, every record kept."""
+    from temporalio.testing import ActivityEnvironment
+
+    from tests.memory_adapter import MemoryAdapter
+    from tests.pipeline_harness import OFFERING, setup_ledger
+    from virtengine_hpc.config import Secrets
+    from virtengine_hpc.messages import UsageInput
+    from workers.wiring import build_worker_deps
+
+    config = make_config(tmp_path, hpc={"usage_reporting": {"batch_size": 3}})
+    chain = setup_ledger(config, Signer.from_file(key_path))
+    adapter = MemoryAdapter()
+    deps = build_worker_deps(
+        config,
+        Secrets(provider_signing_key_path=key_path),
+        chain=chain,
+        adapters={config.hpc.cluster_id: adapter},
+        nodes=False,
+    )
+    calls: list[int] = []
+    submit_usage = chain.submit_usage
+
+    async def counting(records: list[UsageRecord]) -> UsageSubmitResult:
+        calls.append(len(records))
+        return await submit_usage(records)
+
+    chain.submit_usage = counting  # type: ignore[method-assign]
+    inputs = []
+    for n in range(7):
+        job_id = chain.submit_job(
+            {
+                "job_id": f"JOB-b{n}",
+                "tenant": TENANT,
+                "provider": PROVIDER,
+                "offering_id": OFFERING,
+                "script": "x",
+            }
+        )
+        chain.apply_status(StatusReport(job_id=job_id, state=JobState.RUNNING))
+        spec = JobSpec.model_validate(chain.job(job_id).raw_spec)  # type: ignore[union-attr]
+        submitted = await adapter.submit(SubmitRequest(workflow_id=job_id, job=spec, body="x"))
+        inputs.append(
+            UsageInput(
+                job=spec,
+                cluster_id=config.hpc.cluster_id,
+                scheduler_job_id=submitted.scheduler_job_id,
+                sequence=1,
+                period_start=datetime.now(UTC) - timedelta(seconds=1),
+                previous_cumulative=UsageMetrics(),
+                job_state=JobState.RUNNING,
+            )
+        )
+    await asyncio.sleep(0.5)  # the in-memory jobs are running and have used something
+    outputs = await asyncio.gather(
+        *(ActivityEnvironment().run(deps.activities.report_usage, i) for i in inputs)
+    )
+    assert sorted(calls) == [1, 3, 3]
+    assert [o.record_id for o in outputs] == [
+        record_id(config.hpc.cluster_id, f"JOB-b{n}", 1) for n in range(7)
+    ]
+    assert all(chain.usage_records(f"JOB-b{n}") for n in range(7))
+    await deps.close()
