@@ -276,3 +276,26 @@ async def test_node_api_counts_heartbeats_accepted_and_rejected_by_reason(tmp_pa
     assert value(s, "virtengine_hpc_node_registrations_total", outcome="accepted", reason="") == 1
     assert value(s, "virtengine_hpc_node_registrations_total", outcome="rejected", reason="unknown_node") == 1
     ledger.close()
+
+
+async def test_the_node_api_process_answers_readiness_and_metrics(
+    temporal_env: WorkflowEnvironment, tmp_path: Path
+) -> None:
+    from tests.node_support import CLUSTER, Provider
+
+    provider = Provider(tmp_path, temporal_env.client.service_client.config.target_host)
+    provider.start_api()
+    try:
+        async with httpx.AsyncClient(base_url=provider.url, timeout=10) as http:
+            ready = await http.get("/readyz")
+            assert ready.status_code == 200 and ready.json()["checks"] == {"temporal": "ok", "ledger": "ok"}
+            stranger = SimulatedNode(CLUSTER, "n-unknown")
+            answer = await http.post("/api/v1/hpc/nodes/register", json=stranger.registration())
+            assert answer.status_code == 401
+            s = scrape((await http.get("/metrics")).text)
+        assert (
+            value(s, "virtengine_hpc_node_registrations_total", outcome="rejected", reason="unknown_node")
+            == 1
+        )
+    finally:
+        provider.stop()

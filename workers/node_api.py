@@ -500,6 +500,29 @@ def build_api(config: Config, client: Client) -> NodeAPI:
     )
 
 
+def _with_probes(config: Config, api: NodeAPI, client: Client) -> FastAPI:
+    """The app plus ``/readyz`` (Temporal and the node ledger answer) and ``/metrics`` (heartbeats and
+    registrations by outcome and reason), for systemd/Kubernetes probes and Prometheus (docs/production.md)."""
+    from virtengine_hpc.logging import setup_logging
+    from workers.metrics import WorkerMetrics, add_node_api_endpoints, instrument_node_api
+
+    if config.logging.format == "json" or config.logging.level:
+        setup_logging(config.logging.format, config.logging.level, static={"role": "node_api"})
+    metrics = WorkerMetrics()
+    instrument_node_api(api, metrics)
+    app = create_app(api)
+
+    async def temporal() -> None:
+        if not await client.service_client.check_health(timeout=config.metrics.readiness_timeout):
+            raise HPCError("Temporal answers but its workflow service is not serving")
+
+    async def ledger() -> None:
+        await asyncio.to_thread(api.ledger.list_allowed, "-")
+
+    add_node_api_endpoints(app, metrics, {"temporal": temporal, "ledger": ledger})
+    return app
+
+
 async def serve(config: Config, *, host: str | None = None, port: int | None = None) -> None:
     import uvicorn
 
@@ -510,7 +533,9 @@ async def serve(config: Config, *, host: str | None = None, port: int | None = N
     host = host or config.nodes.listen_host
     port = port or config.nodes.listen_port
     server = uvicorn.Server(
-        uvicorn.Config(create_app(api), host=host, port=port, log_level="warning", access_log=False)
+        uvicorn.Config(
+            _with_probes(config, api, client), host=host, port=port, log_level="warning", access_log=False
+        )
     )
     api.audit.record("service_started", details={"service": "node_api", "listen": f"{host}:{port}"})
     log.info("node API listening on http://%s:%s", host, port)
