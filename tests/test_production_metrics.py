@@ -28,6 +28,7 @@ from tests.memory_adapter import MemoryAdapter, Script
 from tests.node_support import PROVIDER, SimulatedNode
 from tests.production_support import cluster_config, provider_ledger, scrape, submit, value, wait_result
 from virtengine_hpc.config import AuditConfig, NodesConfig, Secrets
+from virtengine_hpc.errors import HPCError
 from virtengine_hpc.messages import CancelRequest, JobStatusView
 from virtengine_hpc.node.lifecycle import NodeBeat, NodeRegistered
 from virtengine_hpc.states import JobState
@@ -176,7 +177,7 @@ async def test_liveness_and_readiness(process: tuple[WorkerProcess, MemoryAdapte
     assert live.status_code == 200 and live.json() == {"status": "ok"}
     ready = await get(worker, "/readyz")
     assert ready.status_code == 200, ready.text
-    assert ready.json()["checks"] == {"temporal": "ok", "chain": "ok"}
+    assert ready.json()["checks"] == {"temporal": "ok", "chain": "ok", "search_attributes": "ok"}
     assert (await get(worker, "/nope")).status_code == 404
     # SIGTERM: readiness goes off at once, before running activities have finished.
     worker.request_stop()
@@ -299,3 +300,32 @@ async def test_the_node_api_process_answers_readiness_and_metrics(
         )
     finally:
         provider.stop()
+
+
+class _Attributes:
+    def __init__(self, names: list[str]) -> None:
+        self.custom_attributes = dict.fromkeys(names, 2)
+
+    async def list_search_attributes(self, request: object) -> _Attributes:
+        return self
+
+
+class _NoAttributesClient:
+    def __init__(self, names: list[str]) -> None:
+        self.operator_service = _Attributes(names)
+
+
+async def test_readiness_says_which_search_attributes_the_namespace_lacks() -> None:
+    from workers.worker import search_attributes_check
+
+    check = search_attributes_check(_NoAttributesClient(["VeJobState"]), "prod")  # type: ignore[arg-type]
+    with pytest.raises(HPCError) as failure:
+        await check()
+    message = str(failure.value)
+    assert message.startswith("namespace prod lacks the search attributes VeClusterId, VeSchedulerJobId")
+    assert (
+        "temporal operator search-attribute create --namespace prod --name VeClusterId --type Keyword"
+        in message
+    )
+    every = ["VeJobState", "VeClusterId", "VeSchedulerJobId", "VeTenant", "VeTemplate"]
+    await search_attributes_check(_NoAttributesClient(every), "prod")()  # type: ignore[arg-type]

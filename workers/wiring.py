@@ -161,6 +161,33 @@ async def connect(
         ) from None
 
 
+async def missing_search_attributes(client: Client, namespace: str) -> list[str]:
+    """The job workflow's search attributes the namespace lacks: without them the poller cannot start a job and
+    ``status`` cannot count them. ``[]`` too when the server does not let this client list them."""
+    from temporalio.api.operatorservice.v1 import ListSearchAttributesRequest
+    from temporalio.service import RPCError, RPCStatusCode
+
+    from workflows.hpc_job import SEARCH_ATTRIBUTES
+
+    try:
+        answer = await client.operator_service.list_search_attributes(
+            ListSearchAttributesRequest(namespace=namespace)
+        )
+    except RPCError as exc:
+        if exc.status in (RPCStatusCode.PERMISSION_DENIED, RPCStatusCode.UNIMPLEMENTED):
+            return []
+        raise
+    have = set(answer.custom_attributes)
+    return [key.name for key in SEARCH_ATTRIBUTES if key.name not in have]
+
+
+def search_attribute_commands(namespace: str, names: Sequence[str]) -> str:
+    return "; ".join(
+        f"temporal operator search-attribute create --namespace {namespace} --name {name} --type Keyword"
+        for name in names
+    )
+
+
 def tracing_interceptors(config: Config) -> list[Interceptor]:
     """The Temporal SDK's OpenTelemetry interceptor when ``tracing.enabled`` (the optional ``tracing`` extra).
 

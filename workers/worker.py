@@ -17,7 +17,7 @@ import asyncio
 import contextlib
 import logging
 import signal
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -40,7 +40,9 @@ from workers.wiring import (
     build_worker_deps,
     connect,
     job_settings,
+    missing_search_attributes,
     open_chain,
+    search_attribute_commands,
     task_queue,
     tracing_interceptors,
 )
@@ -156,6 +158,7 @@ class WorkerProcess:
                 config, self.secrets, runtime=runtime, interceptors=tracing_interceptors(config)
             )
         client = self.client
+        await _warn_about_search_attributes(client, config.temporal.namespace)
         deps = build_worker_deps(
             config,
             self.secrets,
@@ -215,7 +218,11 @@ class WorkerProcess:
 
         return Probes(
             live=self.problems,
-            checks={"temporal": temporal, "chain": chain},
+            checks={
+                "temporal": temporal,
+                "chain": chain,
+                "search_attributes": search_attributes_check(client, self.config.temporal.namespace),
+            },
             metrics=metrics,
             stopping=lambda: self.stopping,
             check_timeout=timeout.total_seconds(),
@@ -270,6 +277,40 @@ class WorkerProcess:
                     "service_stopped", cluster_id=cluster_id, details={"service": "worker"}
                 )
         log.info("stopped")
+
+
+async def _warn_about_search_attributes(client: Client, namespace: str) -> None:
+    try:
+        missing = await missing_search_attributes(client, namespace)
+    except Exception as exc:
+        log.warning("cannot list the search attributes of namespace %s: %s", namespace, exc)
+        return
+    if missing:
+        log.error(
+            "namespace %s lacks the search attributes %s; no job can start until they exist: %s",
+            namespace,
+            ", ".join(missing),
+            search_attribute_commands(namespace, missing),
+        )
+
+
+def search_attributes_check(client: Client, namespace: str) -> Callable[[], Awaitable[None]]:
+    """A readiness check that the namespace has the job workflow's search attributes (checked until it has)."""
+    found = False
+
+    async def check() -> None:
+        nonlocal found
+        if found:
+            return
+        missing = await missing_search_attributes(client, namespace)
+        if missing:
+            raise HPCError(
+                f"namespace {namespace} lacks the search attributes {', '.join(missing)}: "
+                f"{search_attribute_commands(namespace, missing)}"
+            )
+        found = True
+
+    return check
 
 
 def _poller(
@@ -338,7 +379,11 @@ async def run_poller(config: Config, *, clusters: Sequence[str] | None = None) -
         health = HealthServer(
             config.metrics.listen,
             Probes(
-                checks={"temporal": temporal, "chain": ledger},
+                checks={
+                    "temporal": temporal,
+                    "chain": ledger,
+                    "search_attributes": search_attributes_check(client, config.temporal.namespace),
+                },
                 metrics=MetricsSource(metrics, sdk_url),
                 stopping=stop.is_set,
                 check_timeout=config.metrics.readiness_timeout.total_seconds(),
