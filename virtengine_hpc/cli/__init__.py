@@ -12,7 +12,7 @@ import importlib
 import sys
 from collections.abc import Sequence
 
-from virtengine_hpc.errors import HPCError
+from virtengine_hpc.cli.common import run
 
 # Areas in the order ``--help`` lists them. A module that is missing (an optional area) is skipped.
 AREAS = ("worker", "jobs", "ledger", "usage", "audit", "templates", "nodes", "status", "dev")
@@ -39,19 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    func = getattr(args, "func", None)
-    if func is None:
-        parser.print_help()
-        return 2
-    try:
-        return int(func(args) or 0)
-    except HPCError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        return 130
+    return run(build_parser(), argv)
 
 
 if __name__ == "__main__":

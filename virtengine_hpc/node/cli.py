@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from virtengine_hpc.cli.common import run
 from virtengine_hpc.errors import HPCError
 from virtengine_hpc.node.config import DEFAULT_CONFIG_PATH, NodeAgentConfig, load_agent_config
 from virtengine_hpc.node.heartbeat import AGENT_VERSION
@@ -158,19 +159,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    func = getattr(args, "func", None)
-    if func is None:
-        parser.print_help()
-        return 2
-    try:
-        return int(func(args) or 0)
-    except HPCError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        return 130
+    return run(build_parser(), argv)
 
 
 if __name__ == "__main__":
