@@ -323,7 +323,9 @@ async def test_history_grows_by_about_six_events_per_report_cycle(pipe: Pipeline
         job_id = pipe.submit()
         spec = JobSpec.model_validate(pipe.ledger.job(job_id).raw_spec)  # type: ignore[union-attr]
         settings = job_settings(pipe.config).model_copy(update={"report_interval_seconds": report_interval})
-        inp = JobWorkflowInput(job=spec, cluster_id=pipe.cluster_id, provider=spec.provider, settings=settings)
+        inp = JobWorkflowInput(
+            job=spec, cluster_id=pipe.cluster_id, provider=spec.provider, settings=settings
+        )
         handle = await pipe.client.start_workflow(
             "HPCJobWorkflow",
             inp,
@@ -339,5 +341,7 @@ async def test_history_grows_by_about_six_events_per_report_cycle(pipe: Pipeline
     assert one == 1 and records >= 6
     per_cycle = (events - fixed) / (records - 1)
     # The watch activity carries the report: ~6 events per cycle (DESIGN.md allows about 12).
-    assert per_cycle <= 7, f"{events} events for {records} records; {fixed} for a job without periodic reports"
+    assert per_cycle <= 7, (
+        f"{events} events for {records} records; {fixed} for a job without periodic reports"
+    )
     assert fixed + 288 * per_cycle < 2200, "a 24 h job at 5-minute reports"
