@@ -45,7 +45,8 @@ _DURATION_PART = re.compile(r"(\d+(?:\.\d+)?)(ms|s|m|h|d)")
 _UNIT_SECONDS = {"ms": 0.001, "s": 1, "m": 60, "h": 3600, "d": 86400}
 # Keys that look like credentials; a config file holding one is refused.
 _SECRET_KEY = re.compile(r"(password|passwd|secret|token|api_key|apikey|private_key|credential)", re.I)
-_ALLOWED_SECRETISH = {"token_file_env", "signing_key_path_env", "api_key_env"}
+# Keys whose names look like credentials but hold only a location or the name of a variable.
+_ALLOWED_SECRETISH = {"token_file_env", "signing_key_path_env", "api_key_env", "oidc_token_url"}
 
 
 def parse_duration(value: Any) -> timedelta:
