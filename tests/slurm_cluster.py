@@ -26,6 +26,7 @@ from pydantic import SecretStr
 from activities.schedulers.base import NativeStatus
 from activities.schedulers.slurm import SlurmAdapter
 from virtengine_hpc.config import Config, Secrets, load_config
+from virtengine_hpc.errors import SchedulerUnavailable
 from virtengine_hpc.models import JobSpec
 
 REPO = Path(__file__).resolve().parents[1]
@@ -159,7 +160,11 @@ async def wait_for(
     deadline = time.monotonic() + timeout
     status: NativeStatus | None = None
     while time.monotonic() < deadline:
-        status = (await adapter.status_batch([job_id]))[job_id]
+        try:
+            status = (await adapter.status_batch([job_id]))[job_id]
+        except SchedulerUnavailable:  # another test may have stopped slurmctld for a moment
+            await asyncio.sleep(1)
+            continue
         if predicate(status):
             return status
         await asyncio.sleep(interval)

@@ -9,6 +9,7 @@ minimum: it takes 1-2 minutes), marked slow.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import signal
 import subprocess
@@ -97,7 +98,12 @@ async def run_job(
     acted = False
     deadline = time.monotonic() + timeout
     while True:
-        status = (await adapter.status_batch([job_id]))[job_id]
+        try:
+            status = (await adapter.status_batch([job_id]))[job_id]
+        except SchedulerUnavailable:  # another test may have stopped slurmctld for a moment: poll again
+            assert time.monotonic() < deadline, f"{wf}: scheduler unavailable for {timeout} s"
+            await asyncio.sleep(1)
+            continue
         assert status.found, status
         if not states or states[-1] != status.state:
             states.append(status.state)
@@ -113,9 +119,10 @@ async def run_job(
         await asyncio.sleep(0.5)
     usage = None
     while time.monotonic() < deadline:
-        usage = await adapter.usage(job_id)
-        if usage.final:
-            break
+        with contextlib.suppress(SchedulerUnavailable):
+            usage = await adapter.usage(job_id)
+            if usage.final:
+                break
         await asyncio.sleep(1)
     return Outcome(wf, submitted, status, states, usage, live)
 
@@ -529,6 +536,23 @@ async def test_drain_and_resume_node_with_a_hostile_reason(env: dict[str, Any]) 
             await adapter.drain_node("nosuchnode", "x")
     finally:
         await adapter.close()
+
+
+async def test_rest_with_a_bad_token_is_a_security_error_not_an_outage(env: dict[str, Any]) -> None:
+    from pydantic import SecretStr
+
+    from virtengine_hpc.config import Secrets
+    from virtengine_hpc.errors import SecurityError
+
+    bad = SlurmAdapter.from_config(
+        sc.config(env, "rest"), Secrets(slurm_jwt_token=SecretStr("not.a.valid-token")), "slurm-test"
+    )
+    try:
+        with pytest.raises(SecurityError, match="SLURM_JWT_TOKEN") as caught:
+            await bad.status_batch(["1"])
+        assert "not.a.valid-token" not in str(caught.value), "the token never appears in an error"
+    finally:
+        await bad.close()
 
 
 async def test_rest_transport_cannot_drain_and_says_so(env: dict[str, Any]) -> None:

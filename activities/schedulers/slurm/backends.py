@@ -32,7 +32,13 @@ from activities.schedulers.slurm import parsers as p
 from activities.schedulers.slurm.base import CommandExecutor, CommandResult
 from activities.schedulers.slurm.script import SubmitPlan, render_batch_script, render_rest_job
 from activities.schedulers.slurm.transports import RestClient
-from virtengine_hpc.errors import SchedulerError, SchedulerUnavailable, SubmissionRejected
+from virtengine_hpc.errors import (
+    HPCError,
+    SchedulerError,
+    SchedulerUnavailable,
+    SecurityError,
+    SubmissionRejected,
+)
 
 #: Error output that means "try again later": the controller or slurmdbd is down, slow or restarting.
 TRANSIENT_PATTERNS = tuple(
@@ -53,7 +59,6 @@ TRANSIENT_PATTERNS = tuple(
         r"Unable to establish (a )?connection",
         r"slurm_persist_conn_open",
         r"slurmdbd.*(unavailable|not responding|down)",
-        r"Protocol authentication error",
         r"[Mm]unge.*(failed|error|socket)",
         r"Slurmctld is not responding",
         r"Slurm controller not responding",
@@ -290,6 +295,7 @@ _HELD = 2042  # "Job is in held state, pending scheduler release": the job was c
 _INVALID_JOB_ID = 2017
 _NOTHING_FOUND = 9003
 _ALREADY_DONE = 2021
+_AUTH_FAILED = 1007  # "Protocol authentication error": slurmdbd refused the token
 
 
 class RestBackend(SlurmBackend):
@@ -313,13 +319,32 @@ class RestBackend(SlurmBackend):
         self.description = client.description
         self._parallel = asyncio.Semaphore(max_parallel)
 
-    def _fail(
+    async def _fail(
         self, errors: list[dict[str, Any]], what: str, rejected: type[SchedulerError]
-    ) -> SchedulerError:
+    ) -> HPCError:
+        """The error to raise for slurmrestd's ``errors``.
+
+        slurmrestd 22.05 answers "Unspecified error" (-1) both when slurmctld is down and when the JWT is bad; the
+        accounting side tells them apart (it checks the token without the controller), so ask it.
+        """
         text = "; ".join(p.rest_error_text(e) for e in errors) or "no answer"
-        transient = any(pattern.search(text) for pattern in TRANSIENT_PATTERNS)
-        kind: type[SchedulerError] = SchedulerUnavailable if transient else rejected
-        return kind(f"{what}: {text}", stdout=text[:2000])
+        if any(pattern.search(text) for pattern in TRANSIENT_PATTERNS):
+            return SchedulerUnavailable(f"{what}: {text}", stdout=text[:2000])
+        codes = {p.rest_error_code(e) for e in errors}
+        if _AUTH_FAILED in codes or (-1 in codes and await self._token_rejected()):
+            return SecurityError(
+                f"slurmrestd rejected the JWT of {self.user} ({what}: {text}): set a valid SLURM_JWT_TOKEN "
+                "(tokens expire; see scontrol token lifespan=...)"
+            )
+        if -1 in codes:
+            return SchedulerUnavailable(f"{what}: the controller does not answer slurmrestd ({text})")
+        return rejected(f"{what}: {text}", stdout=text[:2000])
+
+    async def _token_rejected(self) -> bool:
+        self.calls["cluster"] += 1
+        async with self._parallel:
+            _status, body = await self.http.request("GET", f"{self.slurmdb}/cluster/{self.cluster}")
+        return any(p.rest_error_code(e) == _AUTH_FAILED for e in p.rest_errors(body))
 
     async def _get(self, kind: str, path: str, params: dict[str, str] | None = None) -> dict[str, Any]:
         self.calls[kind] += 1
@@ -331,7 +356,7 @@ class RestBackend(SlurmBackend):
         body = await self._get("ping", f"{self.slurm}/ping")
         pings = body.get("pings") or []
         if not any(isinstance(x, dict) and str(x.get("ping", "")).upper() == "UP" for x in pings):
-            raise SchedulerUnavailable(f"slurmrestd: the controller does not answer ping ({pings})")
+            raise await self._fail(p.rest_errors(body), "slurmrestd ping", SchedulerUnavailable)
         body = await self._get("cluster", f"{self.slurmdb}/cluster/{self.cluster}")
         names = [c.get("name") for c in body.get("clusters") or [] if isinstance(c, dict)]
         return ClusterInfo(cluster_name=self.cluster if self.cluster in names else ",".join(map(str, names)))
@@ -346,13 +371,13 @@ class RestBackend(SlurmBackend):
         job_id = body.get("job_id")
         if isinstance(job_id, int) and job_id > 0:
             return str(job_id)
-        raise self._fail(errors, "slurmrestd job/submit", SubmissionRejected)
+        raise await self._fail(errors, "slurmrestd job/submit", SubmissionRejected)
 
     async def _all_jobs(self) -> list[p.QueueJob]:
         body = await self._get("jobs", f"{self.slurm}/jobs")
         errors = p.rest_errors(body)
         if errors and not body.get("jobs"):
-            raise self._fail(errors, "slurmrestd jobs", SchedulerError)
+            raise await self._fail(errors, "slurmrestd jobs", SchedulerError)
         return p.parse_rest_jobs(body)
 
     async def queue(self, job_ids: Sequence[str]) -> list[p.QueueJob]:
@@ -367,7 +392,7 @@ class RestBackend(SlurmBackend):
         body = await self._get("slurmdb/job", f"{self.slurmdb}/job/{job_id}")
         errors = [e for e in p.rest_errors(body) if p.rest_error_code(e) != _NOTHING_FOUND]
         if errors and not body.get("jobs"):
-            raise self._fail(errors, f"slurmdbd job {job_id}", SchedulerError)
+            raise await self._fail(errors, f"slurmdbd job {job_id}", SchedulerError)
         return p.parse_rest_db_jobs(body)
 
     async def accounting(self, job_ids: Sequence[str], *, steps: bool) -> list[p.AcctJob]:
@@ -384,7 +409,7 @@ class RestBackend(SlurmBackend):
         )
         errors = [e for e in p.rest_errors(body) if p.rest_error_code(e) != _NOTHING_FOUND]
         if errors and not body.get("jobs"):
-            raise self._fail(errors, "slurmdbd jobs", SchedulerError)
+            raise await self._fail(errors, "slurmdbd jobs", SchedulerError)
         return [job for job in p.parse_rest_db_jobs(body) if job.name == name and job.user == self.user]
 
     async def accounting_by_names(self, names: Sequence[str]) -> list[p.AcctJob]:
@@ -401,13 +426,13 @@ class RestBackend(SlurmBackend):
             ]
             errors = [e for e in errors if "already completing or completed" not in p.rest_error_text(e)]
             if errors:
-                raise self._fail(errors, f"slurmrestd cancel {job_id}", SchedulerError)
+                raise await self._fail(errors, f"slurmrestd cancel {job_id}", SchedulerError)
 
     async def node_busy(self, node: str) -> bool:
         body = await self._get("node", f"{self.slurm}/node/{check_node(node)}")
         nodes = [n for n in body.get("nodes") or [] if isinstance(n, dict)]
         if not nodes:
-            raise self._fail(p.rest_errors(body), f"slurmrestd node {node}", SchedulerError)
+            raise await self._fail(p.rest_errors(body), f"slurmrestd node {node}", SchedulerError)
         state = " ".join(
             [str(nodes[0].get("state", ""))] + [str(f) for f in nodes[0].get("state_flags") or []]
         ).upper()

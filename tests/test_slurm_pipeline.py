@@ -1,0 +1,137 @@
+"""The whole provider pipeline on the real SLURM cluster: chain (LocalLedger) -> poller -> HPCJobWorkflow on a real
+Temporal dev server -> the real SlurmAdapter (local CLI) -> slurmctld, and signed usage back to the chain.
+
+What a provider would notice: the states the chain went through, the exit code, the usage records (signed, gapless,
+one final, adding up to exactly what Slurm's accounting says), the settlement, and one Slurm job per chain job.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator
+from decimal import Decimal
+from pathlib import Path
+from typing import Any
+
+import pytest
+from temporalio.client import Client
+
+from activities.schedulers.slurm import SlurmAdapter
+from activities.schedulers.slurm.script import job_name
+from tests import slurm_cluster as sc
+from tests.conftest import make_config
+from tests.pipeline_harness import Pipeline, running_pipeline
+from virtengine_hpc.signing import Signer
+from virtengine_hpc.states import JobState
+from virtengine_hpc.usage import sum_metrics, verify_record
+
+pytestmark = pytest.mark.slurm
+SCOPE = "pipe-"
+Q, R, C, F, X = JobState.QUEUED, JobState.RUNNING, JobState.COMPLETED, JobState.FAILED, JobState.CANCELLED
+
+
+@pytest.fixture(scope="module")
+def env() -> dict[str, Any]:
+    return sc.cluster()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _cleanup(env: dict[str, Any]) -> Any:
+    yield
+    sc.cancel_test_jobs(env, SCOPE)
+    sc.remove_outputs(env, SCOPE)
+
+
+def pipeline_config(tmp_path: Path, env: dict[str, Any], transport: str = "cli") -> Any:
+    return make_config(
+        tmp_path,
+        hpc={
+            "scheduler_type": "slurm",
+            "cluster_id": f"slurm-{uuid.uuid4().hex[:8]}",
+            "job_service": {"job_poll_interval": "500ms", "vanished_job_grace": "60s"},
+            "usage_reporting": {"report_interval": "2s"},
+            "slurm": sc.slurm_section(env, transport),
+        },
+    )
+
+
+@pytest.fixture
+async def pipe(
+    client: Client, tmp_path: Path, key_path: Path, task_queue: str, env: dict[str, Any]
+) -> AsyncIterator[Pipeline]:
+    config = pipeline_config(tmp_path, env)
+    adapter = SlurmAdapter.from_config(config, sc.secrets(env), config.hpc.cluster_id)
+    async with running_pipeline(client, config, key_path, adapter, task_queue) as p:
+        yield p
+
+
+def submit(p: Pipeline, script: str, **spec: Any) -> str:
+    spec.setdefault("resources", {"memory_mb_per_node": 256})
+    return p.submit(job_id=sc.workflow_id(SCOPE.rstrip("-")), script=script, **spec)
+
+
+async def wait_chain_state(p: Pipeline, job_id: str, state: JobState, timeout: float = 90) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        await p.poller.poll_once()
+        job = p.ledger.job(job_id)
+        if job is not None and job.state == state:
+            return
+        await asyncio.sleep(0.3)
+    raise AssertionError(f"{job_id} never reached {state} on chain: {p.ledger.job(job_id)}")
+
+
+def check_usage(p: Pipeline, env: dict[str, Any], job_id: str, key_path: Path) -> None:
+    """Signed, gapless, one final record; they add up to the settlement and to Slurm's own accounting."""
+    records = p.ledger.usage_records(job_id)
+    assert records, "a job that ran has usage records"
+    assert [r.sequence for r in records] == list(range(1, len(records) + 1))
+    assert [r.is_final for r in records] == [False] * (len(records) - 1) + [True]
+    public = Signer.from_file(key_path).public_key
+    assert all(verify_record(r, public) for r in records)
+    settlement = p.ledger.settlement(job_id)
+    assert settlement is not None and settlement.charged + settlement.refunded == settlement.escrow
+    total = sum_metrics([r.metrics for r in records])
+    slurm_id = records[-1].scheduler_job_id
+    line = sc.slurm_command(env, ["sacct", "-X", "-P", "-n", "-j", slurm_id, "-o", "JobIDRaw,ElapsedRaw"])
+    elapsed = next(int(x.split("|")[1]) for x in line.splitlines() if x.split("|")[0] == slurm_id)
+    assert total.wall_clock_seconds == elapsed, "the records add up to Slurm's elapsed time, exactly"
+    gib = Decimal(256 * 1024 * 1024) / Decimal(10**9)
+    assert total.memory_gb_seconds == (gib * elapsed).quantize(Decimal("0.000001"))
+
+
+async def test_jobs_complete_fail_and_cancel_through_the_pipeline(
+    pipe: Pipeline, env: dict[str, Any], key_path: Path
+) -> None:
+    done = submit(pipe, "#!/bin/bash\necho hello from slurm\nsleep 5\n")
+    failed = submit(pipe, "#!/bin/bash\necho about to fail >&2\nsleep 1\nexit 3\n")
+    cancelled = submit(pipe, "#!/bin/bash\nsleep 300\n")
+    await wait_chain_state(pipe, cancelled, R)
+    await asyncio.sleep(2)  # let it run a moment, so it has usage to settle
+    pipe.ledger.request_cancel(cancelled)
+    results = await pipe.run_until_done([done, failed, cancelled], timeout=180)
+
+    assert results[done].state == C, results[done]
+    assert pipe.states_of(done) == [Q, R, C]
+    assert (results[done].exit_code or 0) == 0
+    check_usage(pipe, env, done, key_path)
+    output = sc.job_output(env, done, results[done].scheduler_job_id or "")
+    assert output.strip() == "hello from slurm"
+
+    assert results[failed].state == F
+    assert results[failed].exit_code == 3
+    ledger_job = pipe.ledger.job(failed)
+    assert ledger_job is not None and ledger_job.exit_code == 3 and "exit code 3" in ledger_job.status_message
+    check_usage(pipe, env, failed, key_path)
+
+    assert results[cancelled].state == X
+    assert pipe.states_of(cancelled)[-1] == X and F not in pipe.states_of(cancelled)
+    check_usage(pipe, env, cancelled, key_path)
+    assert pipe.audit_events("job_cancelled", cancelled)
+
+    for job_id in (done, failed, cancelled):
+        assert sc.sacct_jobs_named(env, job_name(job_id)) == [results[job_id].scheduler_job_id], (
+            "exactly one Slurm job per chain job"
+        )
