@@ -24,7 +24,7 @@ from virtengine_hpc.states import JobState
 from workflows.hpc_job import SEARCH_ATTRIBUTES
 
 HISTORIES = Path(__file__).parent / "histories"
-VERSION = "v0.1.0"
+VERSION = "v0.2.0"
 Q, R, C, F = JobState.QUEUED, JobState.RUNNING, JobState.COMPLETED, JobState.FAILED
 
 SCENARIOS: dict[str, Script] = {
