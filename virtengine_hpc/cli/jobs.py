@@ -48,14 +48,14 @@ async def _list(config: Config, args: argparse.Namespace) -> int:
 
     client = await connect(config)
     query = visibility_query(args.state, args.cluster)
-    print(f"{'JOB':<28} {'STATE':<10} {'CLUSTER':<18} {'SCHEDULER JOB':<14} {'STATUS':<10} STARTED")
+    print(f"{'JOB':<28} {'STATE':<10} {'CLUSTER':<18} {'SCHEDULER JOB':<28} {'STATUS':<10} STARTED")
     count = 0
     async for wf in client.list_workflows(query):
         attrs = wf.typed_search_attributes
         values = {pair.key.name: pair.value for pair in attrs}
         print(
             f"{wf.id:<28} {values.get('VeJobState', '?'):<10} {values.get('VeClusterId', '?'):<18} "
-            f"{values.get('VeSchedulerJobId', '-'):<14} {wf.status.name if wf.status else '?':<10} "
+            f"{values.get('VeSchedulerJobId', '-'):<28} {wf.status.name if wf.status else '?':<10} "
             f"{wf.start_time:%Y-%m-%d %H:%M:%S}"
         )
         count += 1
