@@ -169,12 +169,14 @@ class JobActivities:
         adapter = self.adapter(request.cluster_id)
         info = activity.info()
         try:
-            result = await adapter.submit(
-                SubmitRequest(
-                    workflow_id=request.workflow_id,
-                    job=request.job,
-                    body=request.body,
-                    partition=request.partition,
+            result = await heartbeating(
+                adapter.submit(
+                    SubmitRequest(
+                        workflow_id=request.workflow_id,
+                        job=request.job,
+                        body=request.body,
+                        partition=request.partition,
+                    )
                 )
             )
         except HPCError as exc:

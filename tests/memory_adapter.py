@@ -7,6 +7,7 @@ it runs, and counters record every call so tests can assert batching and exactly
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -49,9 +50,12 @@ class MemoryAdapter(SchedulerAdapter):
     status_queries: int = 0
     cancels: list[str] = field(default_factory=list)
     crash_after_submit: set[str] = field(default_factory=set)
+    submit_delay: float = 0.0
 
     async def submit(self, request: SubmitRequest) -> SubmitResult:
         self.submits += 1
+        if self.submit_delay:
+            await asyncio.sleep(self.submit_delay)
         existing = await self.find(request.workflow_id)
         if existing is not None:
             return SubmitResult(scheduler_job_id=existing, adopted=True)

@@ -345,3 +345,13 @@ async def test_history_grows_by_about_six_events_per_report_cycle(pipe: Pipeline
         f"{events} events for {records} records; {fixed} for a job without periodic reports"
     )
     assert fixed + 288 * per_cycle < 2200, "a 24 h job at 5-minute reports"
+
+
+async def test_a_slow_submit_is_not_mistaken_for_a_dead_worker(pipe: Pipeline) -> None:
+    """sbatch over a slow SSH link can take longer than the submit's 10 s heartbeat timeout: the activity
+    heartbeats while it waits, so it is not retried (a retry would be harmless but doubles scheduler load)."""
+    adapter(pipe).submit_delay = 12.0
+    job_id = pipe.submit()
+    results = await pipe.run_until_done([job_id], timeout=120)
+    assert results[job_id].state == C
+    assert adapter(pipe).submits == 1
