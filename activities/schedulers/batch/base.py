@@ -1,0 +1,319 @@
+"""The shared base of batch-scheduler adapters (SLURM, MOAB): what every such adapter must get right once, so each
+scheduler only contributes command builders, parsers and a state table (STYLE.md item 5).
+
+* **Running commands.** A ``CommandRunner`` (local processes, SSH) runs argv lists (never a shell string) with a
+  timeout; ``CommandExecutor`` turns a failure into a ``SchedulerError`` that carries the command, exit code, stdout
+  and stderr, classified as transient (``SchedulerUnavailable``: the controller is down or slow) or not.
+* **Retries.** ``Backoff`` + ``retrying``: transient errors are retried inside the adapter with the configured
+  exponential backoff, up to ``max_retries``, before the last error is raised to the activity.
+* **Exactly-once submission.** ``submit`` first looks for a job carrying the workflow id (``find``) and adopts it;
+  it looks again before every retry, because a submission whose answer was lost (timeout, dropped connection,
+  a worker killed between "accepted" and "returned") may well have created the job.
+* **Lookups coalesce.** Concurrent ``find`` calls share one scheduler query (group commit), so the lookup that makes
+  submission idempotent does not multiply the scheduler's load when many jobs are submitted at once.
+* **Reconciliation.** Should two jobs ever carry the same workflow id (two submit attempts racing past their
+  lookups), the oldest is kept and the others are cancelled before they can run.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import logging
+import re
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Generic, Protocol, TypeVar
+
+from activities.schedulers.base import SchedulerAdapter, SubmitRequest, SubmitResult
+from virtengine_hpc.config import RetryConfig
+from virtengine_hpc.errors import SchedulerError, SchedulerUnavailable
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+K = TypeVar("K")
+V = TypeVar("V")
+
+_TAIL = 2000
+_JOB_NUMBER = re.compile(r"(\d{1,18})")
+
+
+@dataclass(frozen=True)
+class CommandResult:
+    argv: tuple[str, ...]
+    exit_code: int
+    stdout: str
+    stderr: str
+    seconds: float = 0.0
+
+    @property
+    def message(self) -> str:
+        """The most useful line of the error output (``sbatch: error: ...``), for humans."""
+        lines = [line.strip() for line in (self.stderr or self.stdout).splitlines() if line.strip()]
+        failed = [line for line in lines if "failed" in line.lower() or "error" in line.lower()]
+        return (failed or lines or [f"exit code {self.exit_code}"])[-1][:500]
+
+
+class CommandRunner(Protocol):
+    """Runs a scheduler command given as an argv list; stdin (the batch script) is passed as data, never argv."""
+
+    description: str
+
+    async def run(self, argv: Sequence[str], *, stdin: str | None = None, timeout: float) -> CommandResult:
+        """Run and return the result whatever the exit code; raise ``SchedulerUnavailable`` if it cannot run."""
+        ...
+
+    async def close(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class Backoff:
+    """Retry schedule for transient scheduler errors: ``max_retries`` retries, exponential delays."""
+
+    max_retries: int = 3
+    initial: float = 1.0
+    maximum: float = 30.0
+    multiplier: float = 2.0
+
+    @classmethod
+    def from_config(cls, retry: RetryConfig, max_retries: int) -> Backoff:
+        return cls(
+            max_retries=max_retries,
+            initial=retry.initial_backoff.total_seconds(),
+            maximum=retry.max_backoff.total_seconds(),
+            multiplier=retry.backoff_multiplier,
+        )
+
+    def delays(self) -> Iterator[float]:
+        delay = self.initial
+        for _ in range(self.max_retries):
+            yield min(delay, self.maximum)
+            delay *= self.multiplier
+
+
+async def retrying(operation: Callable[[], Awaitable[T]], backoff: Backoff, what: str) -> T:
+    """Run ``operation``; on ``SchedulerUnavailable`` wait and try again, up to ``backoff.max_retries`` times."""
+    delays = backoff.delays()
+    while True:
+        try:
+            return await operation()
+        except SchedulerUnavailable as exc:
+            delay = next(delays, None)
+            if delay is None:
+                raise
+            log.warning("%s: %s; retrying in %.1f s", what, exc, delay)
+            await asyncio.sleep(delay)
+
+
+class Coalescer(Generic[K, V]):
+    """Group commit for lookups: concurrent ``get`` calls made while a batch is in flight share the next batch.
+
+    One caller alone pays one query; a hundred concurrent callers pay one or two. ``fetch`` gets the distinct keys
+    and returns the answers it has (a key it leaves out is answered ``None``); if it raises, every caller of that
+    batch gets the error.
+    """
+
+    def __init__(self, fetch: Callable[[list[K]], Awaitable[dict[K, V]]], max_batch: int = 200) -> None:
+        self._fetch = fetch
+        self._max_batch = max_batch
+        self._waiting: dict[K, list[asyncio.Future[V | None]]] = {}
+        self._runner: asyncio.Task[None] | None = None
+        self.batches = 0
+
+    async def get(self, key: K) -> V | None:
+        future: asyncio.Future[V | None] = asyncio.get_running_loop().create_future()
+        self._waiting.setdefault(key, []).append(future)
+        if self._runner is None or self._runner.done():
+            self._runner = asyncio.create_task(self._drain())
+        return await future
+
+    async def _drain(self) -> None:
+        while self._waiting:
+            keys = list(self._waiting)[: self._max_batch]
+            batch = {key: self._waiting.pop(key) for key in keys}
+            self.batches += 1
+            try:
+                answers = await self._fetch(keys)
+            except BaseException as exc:
+                for futures in batch.values():
+                    for future in futures:
+                        if not future.done():
+                            future.set_exception(exc)
+                if not isinstance(exc, Exception):
+                    raise
+                continue
+            for key, futures in batch.items():
+                for future in futures:
+                    if not future.done():
+                        future.set_result(answers.get(key))
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A scheduler job that carries a workflow id (what ``find`` found)."""
+
+    scheduler_job_id: str
+    final: bool = False
+
+    @property
+    def order(self) -> tuple[int, str]:
+        """Submission order: the number in the id (``4711``, MOAB's ``Moab.4711``), else after every numbered id."""
+        number = _JOB_NUMBER.search(self.scheduler_job_id)
+        return (int(number.group(1)), self.scheduler_job_id) if number else (1 << 62, self.scheduler_job_id)
+
+
+class CommandExecutor:
+    """Runs commands through a runner and turns failures into typed errors that carry the whole story.
+
+    ``transient_patterns`` are the scheduler's ways of saying "try again later" (controller down, timeouts); a
+    failure matching none of them is final (``rejected``, e.g. ``SubmissionRejected`` for ``sbatch``).
+    """
+
+    def __init__(
+        self, runner: CommandRunner, transient_patterns: Sequence[re.Pattern[str]], timeout: float
+    ) -> None:
+        self.runner = runner
+        self.transient_patterns = tuple(transient_patterns)
+        self.timeout = timeout
+
+    def is_transient(self, text: str) -> bool:
+        return any(p.search(text) for p in self.transient_patterns)
+
+    async def run(
+        self,
+        argv: Sequence[str],
+        *,
+        what: str,
+        stdin: str | None = None,
+        ok: Callable[[CommandResult], bool] | None = None,
+        rejected: type[SchedulerError] = SchedulerError,
+    ) -> CommandResult:
+        """Run ``argv``; a failure becomes ``SchedulerUnavailable`` (transient output, timeout) or ``rejected``.
+
+        ``ok`` decides what counts as success (default: exit code 0), for commands whose "error" is an answer
+        (``squeue`` of a purged job id).
+        """
+        result = await self.runner.run(argv, stdin=stdin, timeout=self.timeout)
+        if (ok or (lambda r: r.exit_code == 0))(result):
+            return result
+        raise self.error(result, what, rejected)
+
+    def error(
+        self, result: CommandResult, what: str, rejected: type[SchedulerError] = SchedulerError
+    ) -> SchedulerError:
+        text = f"{result.stdout}\n{result.stderr}"
+        kind: type[SchedulerError]
+        if result.exit_code in (126, 127):
+            kind = SchedulerError
+            message = (
+                f"{what}: {result.argv[0]} is not installed or not executable there "
+                f"(exit {result.exit_code}): {result.message}"
+            )
+        elif self.is_transient(text):
+            kind, message = SchedulerUnavailable, f"{what}: scheduler unavailable: {result.message}"
+        else:
+            kind, message = rejected, f"{what} failed: {result.message}"
+        return kind(
+            message,
+            command=list(result.argv),
+            exit_code=result.exit_code,
+            stdout=result.stdout[-_TAIL:],
+            stderr=result.stderr[-_TAIL:],
+        )
+
+
+@dataclass
+class _Gate:
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    users: int = 0
+
+
+class BatchSchedulerAdapter(SchedulerAdapter, abc.ABC):
+    """Base of batch-scheduler adapters: retries, exactly-once submission, coalesced lookups, reconciliation.
+
+    Subclasses implement ``_lookup`` (all jobs carrying each of several workflow ids, from queue *and*
+    accounting), ``_submit_new`` (one submission, no lookup), ``_cancel_many`` and the status/usage methods.
+    """
+
+    def __init__(self, *, backoff: Backoff) -> None:
+        self.backoff = backoff
+        self._finder: Coalescer[str, list[Candidate]] = Coalescer(self._lookup)
+        # Submits of one workflow id in this process run one at a time (an attempt that outlived its timeout
+        # and its retry must not both miss the lookup and both submit).
+        self._submitting: dict[str, _Gate] = {}
+
+    # ---- hooks ---------------------------------------------------------------------------------------------
+    @abc.abstractmethod
+    async def _lookup(self, workflow_ids: list[str]) -> dict[str, list[Candidate]]:
+        """Every job (queued, running or ended) carrying each workflow id; raises ``SchedulerUnavailable``."""
+
+    @abc.abstractmethod
+    async def _submit_new(self, request: SubmitRequest) -> str:
+        """Submit once, without looking up; the scheduler's job id."""
+
+    @abc.abstractmethod
+    async def _cancel_many(self, scheduler_job_ids: Sequence[str]) -> None:
+        """Cancel jobs; ended or unknown jobs are not an error."""
+
+    # ---- exactly-once submission ---------------------------------------------------------------------------
+    async def submit(self, request: SubmitRequest) -> SubmitResult:
+        """Adopt the workflow's job if any attempt made one; else submit, looking again before every retry."""
+
+        async def attempt() -> SubmitResult:
+            existing = await self._find_once(request.workflow_id)
+            if existing is not None:
+                log.info("workflow %s: adopting scheduler job %s", request.workflow_id, existing)
+                return SubmitResult(scheduler_job_id=existing, adopted=True)
+            job_id = await self._submit_new(request)
+            return SubmitResult(scheduler_job_id=job_id)
+
+        gate = self._submitting.setdefault(request.workflow_id, _Gate())
+        gate.users += 1
+        try:
+            async with gate.lock:
+                return await retrying(attempt, self.backoff, f"submit {request.workflow_id}")
+        finally:
+            gate.users -= 1
+            if gate.users == 0:
+                del self._submitting[request.workflow_id]
+
+    async def find(self, workflow_id: str) -> str | None:
+        return await retrying(lambda: self._find_once(workflow_id), self.backoff, f"find {workflow_id}")
+
+    async def _find_once(self, workflow_id: str) -> str | None:
+        candidates = await self._finder.get(workflow_id) or []
+        if not candidates:
+            return None
+        ordered = sorted(candidates, key=lambda c: c.order)
+        keep, extra = ordered[0], ordered[1:]
+        if extra:
+            await self._reconcile(workflow_id, keep, extra)
+        return keep.scheduler_job_id
+
+    async def _reconcile(self, workflow_id: str, keep: Candidate, extra: list[Candidate]) -> None:
+        """Duplicates of one workflow (a race between attempts): keep the oldest, cancel the rest."""
+        to_cancel = [c.scheduler_job_id for c in extra if not c.final]
+        log.error(
+            "workflow %s has %d scheduler jobs (%s); keeping %s, cancelling %s",
+            workflow_id,
+            len(extra) + 1,
+            ", ".join(c.scheduler_job_id for c in [keep, *extra]),
+            keep.scheduler_job_id,
+            ", ".join(to_cancel) or "none (already ended)",
+        )
+        if to_cancel:
+            try:
+                await self._cancel_many(to_cancel)
+            except SchedulerError as exc:  # the next lookup tries again
+                log.warning("could not cancel duplicate jobs %s: %s", to_cancel, exc)
+
+
+def chunked(items: Iterable[T], size: int) -> Iterator[list[T]]:
+    batch: list[T] = []
+    for item in items:
+        batch.append(item)
+        if len(batch) >= size:
+            yield batch
+            batch = []
+    if batch:
+        yield batch
