@@ -288,6 +288,30 @@ class MoabConfig(Section):
     max_retries: int = Field(
         3, ge=0, le=100, description="Retries of a transient scheduler failure inside one adapter call."
     )
+    bin_dir: Path | None = Field(
+        None,
+        description="Directory of the MOAB client commands on the login host (e.g. /opt/moab/bin); default: the "
+        "commands are found on the SSH session's PATH.",
+    )
+    remote_env: dict[str, str] = Field(
+        default_factory=dict, description="Environment for the remote commands (e.g. MOABHOMEDIR)."
+    )
+    work_dir: Path | None = Field(
+        None, description="Default working directory of jobs on the cluster (msub -d)."
+    )
+    account: str | None = Field(
+        None, pattern=r"^[A-Za-z0-9_.-]{1,64}$", description="Account jobs are charged to (msub -A)."
+    )
+    mws_ca_cert: Path | None = Field(
+        None,
+        description="CA bundle that verifies the MOAB Web Services certificate (rest transport); default: the "
+        "system's roots. Verification cannot be turned off.",
+    )
+    mws_job_user: str | None = Field(
+        None,
+        pattern=r"^[a-z_][a-z0-9_-]{0,31}$",
+        description="Cluster user MWS submits the jobs as (credentials.user); default: MOAB_USERNAME's own account.",
+    )
 
 
 class OODConfig(Section):
@@ -308,6 +332,32 @@ class OODConfig(Section):
         description="How often the status of all of the cluster's active jobs is fetched (one query per interval).",
     )
     connection_timeout: Duration = Field(timedelta(seconds=30), description="Longest wait for one request.")
+    oidc_issuer: str | None = Field(
+        None,
+        description="The identity provider's issuer URL; tokens must carry it as iss. Its "
+        "/.well-known/openid-configuration names the JWKS unless oidc_jwks_url is set.",
+    )
+    oidc_jwks_url: str | None = Field(
+        None, description="JWKS URL of the identity provider; default: from the issuer's discovery document."
+    )
+    oidc_audience: str | None = Field(
+        None, description="Audience tokens must be issued for (aud); default: oidc_client_id."
+    )
+    oidc_scope: str = Field(
+        "openid",
+        pattern=r"^[\x21\x23-\x5b\x5d-\x7e ]{1,512}$",
+        description="Scope asked for in the token request.",
+    )
+    oidc_users_claim: str | None = Field(
+        None,
+        pattern=r"^[A-Za-z0-9_.:/-]{1,128}$",
+        description="Claim of the token listing the cluster users this client may submit as; when set, a mapped "
+        "user the identity provider does not list is refused.",
+    )
+    ca_cert: Path | None = Field(
+        None,
+        description="CA bundle that verifies the identity provider's TLS certificate; default: the system's roots.",
+    )
 
 
 class LocalSchedulerConfig(Section):

@@ -1,0 +1,296 @@
+"""The MOAB adapter: a thin subclass of the shared batch-scheduler base, with two transports (SSH commands, MWS).
+
+What it promises (``activities/schedulers/base.py``), and how:
+
+* **Exactly once.** The job is named ``vehpc-<workflow id>`` (``msub -N``; MWS ``customName``). ``find`` looks in
+  the live queue *and* the completed queue (``showq --xml`` + ``showq -c --xml``; one MWS query) for this user's
+  jobs of that name; ``submit`` looks first, and again before every retry (``BatchSchedulerAdapter``).
+* **One query per poll.** ``status_batch`` asks ``showq --xml`` once for all ids; only ids it does not list cost one
+  ``showq -c --xml``. Over MWS it is one ``GET /rest/jobs`` with a query on the names. A job found nowhere is
+  ``found=False``, never "completed". A failed query raises ``SchedulerUnavailable``: never a state change.
+* **Honest ends.** Exit codes come from ``CompletionCode`` (MWS ``completionCode``); ``Removed`` is a cancel, or a
+  timeout when the job used its whole walltime or Torque reports ``-11``; ``Vacated`` is a failure
+  (``states.py``). A batch hold that never clears (``RMReject``, ``NoResources``...) fails the job at once and
+  cancels it.
+* **Usage** from ``checkjob --xml`` (MWS: the job): wall clock = ``AWDuration``, CPU = ``StatPSUtl`` (processor
+  seconds utilized), memory GB-s and node-hours = the allocation times the wall clock, peak memory from ``UtilMem``.
+  Cumulative and monotone; final once the job ended.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Sequence
+from datetime import UTC, datetime
+from decimal import Decimal
+
+from activities.schedulers.base import Accounting, NativeStatus, SubmitRequest, register
+from activities.schedulers.batch.base import (
+    Backoff,
+    BatchSchedulerAdapter,
+    Candidate,
+    CommandExecutor,
+    chunked,
+    retrying,
+)
+from activities.schedulers.batch.plan import job_name, plan_submission, workflow_of
+from activities.schedulers.batch.transports import SSHRunner
+from activities.schedulers.moab import parsers as p
+from activities.schedulers.moab.backends import TRANSIENT_PATTERNS, CliBackend, MoabBackend, MwsBackend
+from activities.schedulers.moab.states import Mapped, map_state
+from virtengine_hpc.config import Config, MoabConfig, Secrets
+from virtengine_hpc.errors import ConfigError, JobNotFound, SchedulerError
+from virtengine_hpc.models import UsageMetrics
+from virtengine_hpc.usage import normalize_metrics
+
+log = logging.getLogger(__name__)
+
+MAX_IDS_PER_QUERY = 2000
+_MIB = Decimal(1024 * 1024)
+_GB = Decimal(10**9)
+_USAGE_CACHE = 20_000
+#: Environment of every MOAB command: stable number and date formats.
+COMMAND_ENV = {"LC_ALL": "C"}
+
+
+def _require_job_id(value: str) -> str:
+    if not p.is_job_id(value):
+        raise JobNotFound(f"{value[:80]!r} is not a MOAB job id", transient=False)
+    return value
+
+
+def mapped(job: p.MoabJob) -> Mapped:
+    return map_state(
+        job.state,
+        completion=job.completion,
+        started=job.started,
+        hold_reason=job.hold_reason,
+        walltime_reached=job.walltime_reached,
+    )
+
+
+@register("moab")
+class MoabAdapter(BatchSchedulerAdapter):
+    """MOAB through a ``MoabBackend``; build it with ``from_config`` (or directly, in tests)."""
+
+    mpi_launcher = "mpirun"
+
+    def __init__(
+        self,
+        backend: MoabBackend,
+        *,
+        cluster_id: str,
+        config: MoabConfig,
+        backoff: Backoff,
+        hold: bool = False,
+    ) -> None:
+        """``hold`` submits jobs held (``msub -h``), for tests that need jobs which never start."""
+        super().__init__(backoff=backoff)
+        self.backend = backend
+        self.cluster_id = cluster_id
+        self.config = config
+        self.hold_jobs = hold
+        self._high_water: dict[str, UsageMetrics] = {}
+
+    @classmethod
+    def from_config(cls, config: Config, secrets: Secrets, cluster_id: str) -> MoabAdapter:
+        m = config.hpc.moab
+        timeout = m.connection_timeout.total_seconds()
+        backend: MoabBackend
+        if m.transport == "ssh":
+            if not m.ssh_user:
+                raise ConfigError("hpc.moab.ssh_user: required for the ssh transport")
+            runner = SSHRunner(
+                host=m.ssh_host or m.server,
+                port=m.ssh_port,
+                user=m.ssh_user,
+                key_path=m.ssh_key_path,
+                known_hosts=m.known_hosts_path,
+                timeout=timeout,
+                env={**COMMAND_ENV, **m.remote_env},
+            )
+            backend = CliBackend(
+                CommandExecutor(runner, TRANSIENT_PATTERNS, timeout), user=m.ssh_user, bin_dir=m.bin_dir
+            )
+        else:
+            if not m.mws_url:
+                raise ConfigError("hpc.moab.mws_url: required for the rest transport (MOAB Web Services)")
+            if not secrets.moab_username or secrets.moab_password is None:
+                raise ConfigError(
+                    "MOAB_USERNAME and MOAB_PASSWORD must be set: the rest transport authenticates to MWS with them"
+                )
+            backend = MwsBackend(
+                base_url=m.mws_url,
+                username=secrets.moab_username,
+                password=secrets.moab_password,
+                job_user=m.mws_job_user,
+                timeout=timeout,
+                ca_cert=m.mws_ca_cert,
+            )
+        return cls(
+            backend,
+            cluster_id=cluster_id,
+            config=m,
+            backoff=Backoff.from_config(config.hpc.retry, m.max_retries),
+        )
+
+    @property
+    def calls(self) -> dict[str, int]:
+        """Scheduler queries made so far, by kind (``showq``, ``showq -c``, ``GET jobs``, ...)."""
+        return dict(self.backend.calls)
+
+    # ---- submission ----------------------------------------------------------------------------------------
+    async def _submit_new(self, request: SubmitRequest) -> str:
+        plan = plan_submission(
+            request,
+            cluster_id=self.cluster_id,
+            default_partition=self.config.default_queue,
+            account=self.config.account,
+            work_dir=str(self.config.work_dir) if self.config.work_dir else None,
+            hold=self.hold_jobs,
+        )
+        job_id = await self.backend.submit(plan)
+        log.info("workflow %s submitted as MOAB job %s", request.workflow_id, job_id)
+        return job_id
+
+    async def _lookup(self, workflow_ids: list[str]) -> dict[str, list[Candidate]]:
+        names = {job_name(w): w for w in workflow_ids}
+        found: dict[str, dict[str, Candidate]] = {}
+        for job in await self.backend.by_names(list(names)):
+            workflow = workflow_of(job.name, "")
+            if workflow is None or names.get(job.name) != workflow:
+                continue
+            final = mapped(job).state.final
+            found.setdefault(workflow, {})[job.job_id] = Candidate(job.job_id, final=final)
+        return {w: list(c.values()) for w, c in found.items()}
+
+    async def _cancel_many(self, scheduler_job_ids: Sequence[str]) -> None:
+        await self.backend.cancel(list(scheduler_job_ids))
+
+    # ---- status --------------------------------------------------------------------------------------------
+    async def status_batch(self, scheduler_job_ids: Iterable[str]) -> dict[str, NativeStatus]:
+        ids = list(dict.fromkeys(scheduler_job_ids))
+        out: dict[str, NativeStatus] = {
+            i: NativeStatus(scheduler_job_id=i, found=False, reason=f"{i[:40]!r} is not a MOAB job id")
+            for i in ids
+            if not p.is_job_id(i)
+        }
+        valid = [i for i in ids if p.is_job_id(i)]
+        never_start: list[str] = []
+        for chunk in chunked(valid, MAX_IDS_PER_QUERY):
+            jobs = {job.job_id: job for job in await self.backend.by_ids(chunk)}
+            for job_id in chunk:
+                job = jobs.get(job_id)
+                if job is None:
+                    out[job_id] = NativeStatus(
+                        scheduler_job_id=job_id,
+                        found=False,
+                        reason=f"MOAB job {job_id} is in neither the queue nor the completed jobs",
+                    )
+                    continue
+                status = self._status_of(job)
+                out[job_id] = status
+                if mapped(job).never_starts and job.queue != "completed":
+                    never_start.append(job_id)
+        if never_start:
+            try:
+                await self.backend.cancel(never_start)
+            except SchedulerError as exc:  # reported failed anyway; the next poll cancels again
+                log.warning("could not cancel jobs that will never start %s: %s", never_start, exc)
+        return out
+
+    def _status_of(self, job: p.MoabJob) -> NativeStatus:
+        m = mapped(job)
+        final = m.state.final
+        reason = m.reason
+        if final and job.message and job.message not in reason:
+            reason = f"{reason} ({job.message})"
+        return NativeStatus(
+            scheduler_job_id=job.job_id,
+            state=m.state,
+            native_state=m.native_state,
+            reason=reason,
+            exit_code=m.exit_code if final else None,
+            start_time=job.start_time,
+            end_time=job.end_time if final else None,
+        )
+
+    # ---- usage ---------------------------------------------------------------------------------------------
+    async def usage(self, scheduler_job_id: str) -> Accounting:
+        job_id = _require_job_id(scheduler_job_id)
+        return await retrying(lambda: self._usage(job_id), self.backoff, f"usage of {job_id}")
+
+    async def _usage(self, job_id: str) -> Accounting:
+        job = await self.backend.job(job_id)
+        if job is None:  # checkjob forgot it (purged): the completed queue may still list it
+            job = next(iter(await self.backend.by_ids([job_id])), None)
+        if job is None:
+            raise JobNotFound(f"MOAB job {job_id} is in neither the queue nor the completed jobs")
+        m = mapped(job)
+        final = m.state.final
+        if not job.started and not final:
+            return Accounting(scheduler_job_id=job_id)
+        metrics = self._metrics(job)
+        previous = self._high_water.get(job_id)
+        if previous is not None:
+            metrics = _max_metrics(metrics, previous)
+        if final:
+            self._high_water.pop(job_id, None)
+        else:
+            if len(self._high_water) >= _USAGE_CACHE:
+                self._high_water.clear()
+            self._high_water[job_id] = metrics
+        return Accounting(
+            scheduler_job_id=job_id,
+            final=final,
+            metrics=normalize_metrics(metrics),
+            start_time=job.start_time,
+            end_time=job.end_time if final else None,
+        )
+
+    @staticmethod
+    def _metrics(job: p.MoabJob) -> UsageMetrics:
+        wall = job.wall_seconds
+        if wall is None and job.start_time is not None:
+            end = job.end_time or datetime.now(UTC)
+            wall = max(0, int((end - job.start_time).total_seconds()))
+        elapsed = Decimal(wall or 0)
+        nodes = Decimal(job.nodes or (1 if elapsed > 0 else 0))
+        memory_bytes = Decimal(job.mem_mb or 0) * _MIB
+        return UsageMetrics(
+            wall_clock_seconds=elapsed,
+            cpu_core_seconds=job.cpu_seconds or Decimal(0),
+            memory_gb_seconds=memory_bytes / _GB * elapsed,
+            gpu_seconds=Decimal(job.gpus) * elapsed,
+            node_hours=nodes * elapsed / 3600,
+            memory_bytes_max=int(job.util_mem_mb * _MIB) if job.util_mem_mb else None,
+        )
+
+    # ---- cancel, hold, release ------------------------------------------------------------------------------
+    async def cancel(self, scheduler_job_id: str) -> None:
+        job_id = _require_job_id(scheduler_job_id)
+        await retrying(lambda: self.backend.cancel([job_id]), self.backoff, f"cancel {job_id}")
+
+    async def hold(self, scheduler_job_id: str) -> None:
+        """Put a user hold on a queued job (``mjobctl -h user``)."""
+        job_id = _require_job_id(scheduler_job_id)
+        await retrying(lambda: self.backend.hold(job_id), self.backoff, f"hold {job_id}")
+
+    async def release(self, scheduler_job_id: str) -> None:
+        """Release the user hold (``mjobctl -u user``)."""
+        job_id = _require_job_id(scheduler_job_id)
+        await retrying(lambda: self.backend.hold(job_id, release=True), self.backoff, f"release {job_id}")
+
+    async def close(self) -> None:
+        await self.backend.close()
+
+
+def _max_metrics(a: UsageMetrics, b: UsageMetrics) -> UsageMetrics:
+    values: dict[str, object] = {}
+    for name in UsageMetrics.model_fields:
+        x, y = getattr(a, name), getattr(b, name)
+        values[name] = y if x is None else x if y is None else max(x, y)
+    return UsageMetrics.model_validate(values)
+
+
+__all__ = ["MoabAdapter"]

@@ -1,0 +1,179 @@
+"""The MOAB test cluster: the simulator (``tests/sim/moab.py``) behind a real sshd and an HTTPS MWS, and helpers
+to build adapters for it the way a worker does (``MoabAdapter.from_config``)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import pwd
+import tempfile
+import time
+import uuid
+from collections.abc import Awaitable, Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from activities.schedulers.base import Accounting, NativeStatus, SchedulerAdapter, SubmitRequest, SubmitResult
+from activities.schedulers.moab import MoabAdapter
+from tests.conftest import make_config
+from tests.sim import mws
+from tests.sim.https import HttpsServer, TestCA, make_ca
+from tests.sim.moab import MoabSim, Options, ensure_user
+from tests.sim.sshd import SshServer
+from virtengine_hpc.config import Config, Secrets
+from virtengine_hpc.models import JobSpec
+from virtengine_hpc.states import JobState
+
+MWS_USER = "mwsadmin"
+MWS_PASSWORD = f"pw-{uuid.uuid4().hex}"
+SIM_USER = "vehpcmoab"
+
+
+@dataclass
+class MoabCluster:
+    home: Path
+    moab: MoabSim
+    sshd: SshServer
+    ca: TestCA
+    mws_server: HttpsServer
+    mws: mws.MwsState
+    user: str
+    work_dir: Path
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def mws_url(self) -> str:
+        return f"{self.mws_server.url}/mws"
+
+    def moab_section(self, transport: str, **overrides: Any) -> dict[str, Any]:
+        section: dict[str, Any] = {
+            "transport": transport,
+            "default_queue": "batch",
+            "connection_timeout": "10s",
+            "max_retries": 1,
+            "work_dir": str(self.work_dir),
+        }
+        if transport == "ssh":
+            section.update(
+                ssh_host="127.0.0.1",
+                ssh_port=self.sshd.port,
+                ssh_user=self.user,
+                ssh_key_path=str(self.sshd.client_key),
+                known_hosts_path=str(self.sshd.known_hosts),
+                bin_dir=str(self.moab.bin_dir),
+                remote_env={"MOABHOMEDIR": str(self.moab.home)},
+            )
+        else:
+            section.update(mws_url=self.mws_url, mws_ca_cert=str(self.ca.ca_cert), mws_job_user=self.user)
+        section.update(overrides)
+        return section
+
+    def config(self, tmp: Path, transport: str, **overrides: Any) -> Config:
+        return make_config(
+            tmp,
+            hpc={
+                "scheduler_type": "moab",
+                "cluster_id": f"moab-{uuid.uuid4().hex[:8]}",
+                "retry": {"max_retries": 1, "initial_backoff": "100ms", "max_backoff": "200ms"},
+                "moab": self.moab_section(transport, **overrides),
+            },
+        )
+
+    def adapter(self, tmp: Path, transport: str, *, hold: bool = False, **overrides: Any) -> MoabAdapter:
+        config = self.config(tmp, transport, **overrides)
+        adapter = MoabAdapter.from_config(config, secrets(), config.hpc.cluster_id)
+        adapter.hold_jobs = hold
+        return adapter
+
+
+def secrets() -> Secrets:
+    return Secrets.from_env({"MOAB_USERNAME": MWS_USER, "MOAB_PASSWORD": MWS_PASSWORD})
+
+
+@contextmanager
+def moab_cluster(walltime_cap: float = 3.0) -> Iterator[MoabCluster]:
+    """Start the simulator, its sshd and its MWS; stop them all after."""
+    home = Path(tempfile.mkdtemp(prefix="vehpc-moab-"))
+    home.chmod(0o755)
+    user = SIM_USER if ensure_user(SIM_USER) else pwd.getpwuid(os.geteuid()).pw_name
+    work = home / "work"
+    work.mkdir()
+    work.chmod(0o1777)
+    moab = MoabSim(home / "moab", Options(walltime_cap=walltime_cap))
+    moab.start()
+    sshd = SshServer.create(home / "ssh")
+    sshd.start()
+    ca = make_ca(home / "tls")
+    state = mws.MwsState(moab, MWS_USER, MWS_PASSWORD)
+    server = HttpsServer(ca, mws.MwsHandler, mws.setup(state))
+    server.start()
+    try:
+        yield MoabCluster(home, moab, sshd, ca, server, state, user, work)
+    finally:
+        server.stop()
+        sshd.stop()
+        moab.close()
+
+
+def spec(job_id: str, script: str, **fields: Any) -> JobSpec:
+    raw: dict[str, Any] = {
+        "job_id": job_id,
+        "tenant": "virtengine1tenant0alice",
+        "provider": "virtengine1provider0test",
+        "offering_id": "offering-standard",
+        "script": script,
+        "walltime_seconds": 600,
+        "resources": {"memory_mb_per_node": 256},
+    }
+    raw.update(fields)
+    return JobSpec.model_validate(raw)
+
+
+def workflow_id(label: str) -> str:
+    return f"moabtest-{label}-{uuid.uuid4().hex[:8]}"
+
+
+@dataclass
+class Outcome:
+    workflow_id: str
+    submitted: SubmitResult
+    final: NativeStatus
+    states: list[JobState]
+    usage: Accounting | None
+    live: list[Accounting]
+
+
+async def run_job(
+    adapter: SchedulerAdapter,
+    wf: str,
+    job: JobSpec,
+    *,
+    on_running: Callable[[str], Awaitable[None]] | None = None,
+    sample_usage: bool = False,
+    timeout: float = 30,
+) -> Outcome:
+    submitted = await adapter.submit(SubmitRequest(workflow_id=wf, job=job, body=job.script or ""))
+    job_id = submitted.scheduler_job_id
+    states: list[JobState] = []
+    live: list[Accounting] = []
+    acted = False
+    deadline = time.monotonic() + timeout
+    while True:
+        status = (await adapter.status_batch([job_id]))[job_id]
+        assert status.found, status
+        if not states or states[-1] != status.state:
+            states.append(status.state)
+        if status.state.final:
+            break
+        if status.state == JobState.RUNNING:
+            if on_running is not None and not acted:
+                acted = True
+                await on_running(job_id)
+            if sample_usage:
+                live.append(await adapter.usage(job_id))
+        assert time.monotonic() < deadline, f"{wf} not final after {timeout} s: {states}"
+        await asyncio.sleep(0.2)
+    usage = await adapter.usage(job_id)
+    return Outcome(wf, submitted, status, states, usage, live)

@@ -1,0 +1,390 @@
+"""The MOAB adapter against the simulator, for each transport: commands over a real sshd, and MOAB Web Services
+over verified TLS. The same outcomes as the SLURM suite: completes, fails, times out, cancelled pending and
+running, rejected, vanished, transient outage; plus hostile strings, exactly-once submission across a lost answer
+and a restarted worker, one scheduler query per status round, and accounting from checkjob."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from decimal import Decimal
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from activities.schedulers.base import SubmitRequest, SubmitResult
+from activities.schedulers.batch.transports import SSHRunner
+from activities.schedulers.moab import MoabAdapter
+from tests import moab_support as ms
+from virtengine_hpc.errors import JobNotFound, SchedulerUnavailable, SecurityError, SubmissionRejected
+from virtengine_hpc.states import JobState
+
+TRANSPORTS = ("ssh", "rest")
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[ms.MoabCluster]:
+    with ms.moab_cluster(walltime_cap=3.0) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def tmp_module(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("moab")
+
+
+@pytest.fixture(params=TRANSPORTS)
+async def moab(
+    request: pytest.FixtureRequest, cluster: ms.MoabCluster, tmp_module: Path
+) -> AsyncIterator[MoabAdapter]:
+    adapter = cluster.adapter(tmp_module, request.param)
+    yield adapter
+    await adapter.close()
+
+
+def _jobs_named(cluster: ms.MoabCluster, wf: str) -> list[str]:
+    with cluster.moab.lock:
+        return [j.job_id for j in cluster.moab.jobs.values() if j.name == f"vehpc-{wf}"]
+
+
+# ---- outcomes ----------------------------------------------------------------------------------------------------
+
+
+async def test_completed_job_reports_exit_code_zero_and_final_usage(
+    moab: MoabAdapter, cluster: ms.MoabCluster
+) -> None:
+    wf = ms.workflow_id("complete")
+    burn = "i=0; while [ $i -lt 200000 ]; do i=$((i+1)); done\necho done\n"
+    outcome = await ms.run_job(moab, wf, ms.spec(wf, burn), sample_usage=True)
+    assert outcome.final.state == JobState.COMPLETED and outcome.final.exit_code == 0
+    assert JobState.RUNNING in outcome.states
+    usage = outcome.usage
+    assert usage is not None and usage.final
+    assert usage.metrics.cpu_core_seconds > 0, "CPU seconds come from checkjob's StatPSUtl"
+    wall = usage.metrics.wall_clock_seconds
+    # memory GB-s = the allocation (256 MiB) times the wall clock, exactly
+    assert usage.metrics.memory_gb_seconds == (Decimal(256 * 1024 * 1024) / Decimal(10**9) * wall).quantize(
+        Decimal("0.000001")
+    )
+    for live in outcome.live:  # cumulative: no live reading exceeds the final one
+        assert live.metrics.cpu_core_seconds <= usage.metrics.cpu_core_seconds
+    out = cluster.work_dir / f"vehpc-{wf}.o{outcome.submitted.scheduler_job_id.split('.')[-1]}"
+    assert out.read_text().strip() == "done"
+    again = await moab.submit(SubmitRequest(workflow_id=wf, job=ms.spec(wf, "true\n"), body="true\n"))
+    assert again == SubmitResult(scheduler_job_id=outcome.submitted.scheduler_job_id, adopted=True)
+
+
+async def test_failed_job_keeps_its_exit_code(moab: MoabAdapter) -> None:
+    wf = ms.workflow_id("fail")
+    outcome = await ms.run_job(moab, wf, ms.spec(wf, "echo failing >&2\nexit 3\n"))
+    assert outcome.final.state == JobState.FAILED
+    assert outcome.final.exit_code == 3
+    assert "exit code 3" in outcome.final.reason
+    assert outcome.usage is not None and outcome.usage.final
+
+
+async def test_job_past_its_walltime_times_out(moab: MoabAdapter) -> None:
+    wf = ms.workflow_id("timeout")
+    outcome = await ms.run_job(moab, wf, ms.spec(wf, "sleep 60\n"))
+    assert outcome.final.state == JobState.TIMEOUT, outcome.final
+    assert "walltime" in outcome.final.reason
+    assert outcome.usage is not None and outcome.usage.final and outcome.usage.metrics.wall_clock_seconds >= 2
+
+
+async def test_job_cancelled_while_running(moab: MoabAdapter) -> None:
+    wf = ms.workflow_id("running-cancel")
+
+    async def cancel(job_id: str) -> None:
+        await asyncio.sleep(1)
+        await moab.cancel(job_id)
+
+    outcome = await ms.run_job(moab, wf, ms.spec(wf, "sleep 60\n"), on_running=cancel)
+    assert JobState.RUNNING in outcome.states
+    assert outcome.final.state == JobState.CANCELLED and outcome.final.reason.startswith("cancelled")
+    assert outcome.usage is not None and outcome.usage.final and outcome.usage.metrics.wall_clock_seconds >= 1
+    await moab.cancel(outcome.submitted.scheduler_job_id)  # an ended job: not an error
+
+
+async def test_pending_job_cancelled(cluster: ms.MoabCluster, tmp_module: Path) -> None:
+    for transport in TRANSPORTS:
+        adapter = cluster.adapter(tmp_module, transport, hold=True)
+        wf = ms.workflow_id(f"pending-cancel-{transport}")
+        submitted = await adapter.submit(
+            SubmitRequest(workflow_id=wf, job=ms.spec(wf, "true\n"), body="true\n")
+        )
+        status = (await adapter.status_batch([submitted.scheduler_job_id]))[submitted.scheduler_job_id]
+        assert status.state == JobState.QUEUED and "user hold" in status.reason
+        await adapter.cancel(submitted.scheduler_job_id)
+        status = (await adapter.status_batch([submitted.scheduler_job_id]))[submitted.scheduler_job_id]
+        assert status.state == JobState.CANCELLED and status.start_time is None
+        usage = await adapter.usage(submitted.scheduler_job_id)
+        assert usage.final and usage.metrics.wall_clock_seconds == 0
+        await adapter.close()
+
+
+async def test_rejected_submission_is_final_with_moabs_reason(moab: MoabAdapter) -> None:
+    wf = ms.workflow_id("reject")
+    job = ms.spec(wf, "true\n", partition="nosuchqueue")
+    with pytest.raises(SubmissionRejected) as caught:
+        await moab.submit(SubmitRequest(workflow_id=wf, job=job, body="true\n"))
+    assert not caught.value.transient
+    assert "nosuchqueue" in str(caught.value)
+    too_big = ms.spec(wf, "true\n", resources={"nodes": 16})
+    with pytest.raises(SubmissionRejected, match="MAXNODE"):
+        await moab.submit(SubmitRequest(workflow_id=wf, job=too_big, body="true\n"))
+    assert await moab.find(wf) is None
+
+
+async def test_vanished_job_is_not_found_never_completed(cluster: ms.MoabCluster, tmp_module: Path) -> None:
+    for transport in TRANSPORTS:
+        adapter = cluster.adapter(tmp_module, transport, hold=True)
+        wf = ms.workflow_id(f"vanish-{transport}")
+        submitted = await adapter.submit(
+            SubmitRequest(workflow_id=wf, job=ms.spec(wf, "true\n"), body="true\n")
+        )
+        cluster.moab.vanish(submitted.scheduler_job_id)
+        status = await adapter.status_batch([submitted.scheduler_job_id, "Moab.999999"])
+        assert not status[submitted.scheduler_job_id].found
+        assert status[submitted.scheduler_job_id].state != JobState.COMPLETED
+        assert not status["Moab.999999"].found
+        with pytest.raises(JobNotFound):
+            await adapter.usage(submitted.scheduler_job_id)
+        await adapter.close()
+
+
+async def test_batch_hold_that_never_clears_fails_the_job_and_cancels_it(
+    cluster: ms.MoabCluster, tmp_module: Path
+) -> None:
+    adapter = cluster.adapter(tmp_module, "ssh", hold=True)
+    wf = ms.workflow_id("batchhold")
+    submitted = await adapter.submit(SubmitRequest(workflow_id=wf, job=ms.spec(wf, "true\n"), body="true\n"))
+    cluster.moab.batch_hold(submitted.scheduler_job_id, "RMReject")
+    status = (await adapter.status_batch([submitted.scheduler_job_id]))[submitted.scheduler_job_id]
+    assert status.state == JobState.FAILED and "will never start" in status.reason
+    assert cluster.moab.jobs[submitted.scheduler_job_id].state == "Removed", (
+        "cancelled so it cannot start later"
+    )
+    await adapter.close()
+
+
+# ---- outages --------------------------------------------------------------------------------------------------
+
+
+async def test_moab_server_down_is_unavailable_not_a_state_change(
+    cluster: ms.MoabCluster, tmp_module: Path
+) -> None:
+    adapters = {t: cluster.adapter(tmp_module, t, hold=True) for t in TRANSPORTS}
+    wf = ms.workflow_id("outage")
+    held = await adapters["ssh"].submit(
+        SubmitRequest(workflow_id=wf, job=ms.spec(wf, "true\n"), body="true\n")
+    )
+    job_id = held.scheduler_job_id
+    cluster.moab.stop()
+    cluster.mws.fail_with = 503
+    try:
+        for name, adapter in adapters.items():
+            with pytest.raises(SchedulerUnavailable) as caught:
+                await adapter.status_batch([job_id])
+            assert caught.value.transient, name
+            wf2 = ms.workflow_id(f"during-outage-{name}")
+            with pytest.raises(SchedulerUnavailable):
+                await adapter.submit(
+                    SubmitRequest(workflow_id=wf2, job=ms.spec(wf2, "true\n"), body="true\n")
+                )
+    finally:
+        cluster.moab.start()
+        cluster.mws.fail_with = None
+    for adapter in adapters.values():
+        assert (await adapter.status_batch([job_id]))[job_id].state == JobState.QUEUED
+    assert not [j for j in cluster.moab.jobs.values() if j.name.startswith("vehpc-moabtest-during-outage")]
+    cluster.sshd.stop()
+    try:
+        with pytest.raises(SchedulerUnavailable):
+            await adapters["ssh"].status_batch([job_id])
+    finally:
+        cluster.sshd.start()
+    assert (await adapters["ssh"].status_batch([job_id]))[job_id].state == JobState.QUEUED
+    await adapters["ssh"].cancel(job_id)
+    for adapter in adapters.values():
+        await adapter.close()
+
+
+# ---- exactly once ----------------------------------------------------------------------------------------------
+
+
+async def test_lost_submit_answer_and_restarted_worker_leave_one_job(
+    moab: MoabAdapter, cluster: ms.MoabCluster, tmp_module: Path
+) -> None:
+    wf = ms.workflow_id("lost-answer")
+    job = ms.spec(wf, "sleep 30\n")
+    real_submit = moab.backend.submit
+
+    async def submit_then_lose_answer(plan: Any) -> str:
+        await real_submit(plan)
+        raise SchedulerUnavailable("connection reset after the job was accepted (simulated)")
+
+    moab.backend.submit = submit_then_lose_answer  # type: ignore[method-assign]
+    try:
+        first = await moab.submit(SubmitRequest(workflow_id=wf, job=job, body=job.script or ""))
+    finally:
+        moab.backend.submit = real_submit  # type: ignore[method-assign]
+    assert first.adopted, "the retry found the job the lost answer had created"
+    # The worker dies and another starts: a fresh adapter (no memory of the first) submits the same workflow.
+    transport = moab.config.transport
+    fresh = cluster.adapter(tmp_module, transport)
+    second = await fresh.submit(SubmitRequest(workflow_id=wf, job=job, body=job.script or ""))
+    assert second == SubmitResult(scheduler_job_id=first.scheduler_job_id, adopted=True)
+    concurrent = await asyncio.gather(
+        *(fresh.submit(SubmitRequest(workflow_id=wf, job=job, body=job.script or "")) for _ in range(5))
+    )
+    assert {r.scheduler_job_id for r in concurrent} == {first.scheduler_job_id}
+    assert _jobs_named(cluster, wf) == [first.scheduler_job_id]
+    await fresh.cancel(first.scheduler_job_id)
+    await fresh.close()
+
+
+async def test_submitter_killed_after_msub_leaves_exactly_one_job(
+    cluster: ms.MoabCluster, tmp_module: Path
+) -> None:
+    """A worker process killed (SIGKILL) right after msub returned, before it recorded anything."""
+    import subprocess
+    import sys
+
+    wf = ms.workflow_id("killed")
+    config = cluster.config(tmp_module, "ssh")
+    code = (
+        "import asyncio, os, signal, sys\n"
+        "from activities.schedulers.base import SubmitRequest\n"
+        "from activities.schedulers.moab import MoabAdapter\n"
+        "from tests import moab_support as ms\n"
+        "from virtengine_hpc.config import Config\n"
+        "config = Config.model_validate_json(sys.stdin.read())\n"
+        "adapter = MoabAdapter.from_config(config, ms.secrets(), config.hpc.cluster_id)\n"
+        "real = adapter.backend.submit\n"
+        "async def submit(plan):\n"
+        "    await real(plan)\n"
+        "    os.kill(os.getpid(), signal.SIGKILL)\n"
+        "adapter.backend.submit = submit\n"
+        f"job = ms.spec({wf!r}, 'sleep 30\\n')\n"
+        f"asyncio.run(adapter.submit(SubmitRequest(workflow_id={wf!r}, job=job, body='sleep 30\\n')))\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        input=config.model_dump_json(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=str(Path(__file__).resolve().parents[1]),
+    )
+    assert proc.returncode == -9, proc.stderr[-2000:]
+    assert len(_jobs_named(cluster, wf)) == 1
+    adapter = cluster.adapter(tmp_module, "ssh")
+    again = await adapter.submit(SubmitRequest(workflow_id=wf, job=ms.spec(wf, "sleep 30\n"), body="x"))
+    assert again.adopted and _jobs_named(cluster, wf) == [again.scheduler_job_id]
+    await adapter.cancel(again.scheduler_job_id)
+    await adapter.close()
+
+
+# ---- batching, hostile strings, security ------------------------------------------------------------------------
+
+
+async def test_status_of_many_jobs_is_one_query(cluster: ms.MoabCluster, tmp_module: Path) -> None:
+    for transport in TRANSPORTS:
+        adapter = cluster.adapter(tmp_module, transport, hold=True)
+        ids = []
+        for n in range(6):
+            wf = ms.workflow_id(f"batch-{transport}-{n}")
+            ids.append(
+                (
+                    await adapter.submit(SubmitRequest(workflow_id=wf, job=ms.spec(wf, "x\n"), body="x\n"))
+                ).scheduler_job_id
+            )
+        before = adapter.calls
+        statuses = await adapter.status_batch(ids)
+        after = adapter.calls
+        spent = {k: after.get(k, 0) - before.get(k, 0) for k in after if after.get(k, 0) != before.get(k, 0)}
+        assert spent == ({"showq": 1} if transport == "ssh" else {"GET jobs": 1}), spent
+        assert all(s.state == JobState.QUEUED for s in statuses.values())
+        for job_id in ids:
+            await adapter.cancel(job_id)
+        await adapter.close()
+
+
+async def test_hostile_strings_stay_literal(moab: MoabAdapter, cluster: ms.MoabCluster) -> None:
+    marker = Path(f"/tmp/vehpc-pwned-{uuid.uuid4().hex[:8]}")
+    hostile = {
+        "SUBST": f"$(touch {marker})",
+        "TICKS": f"`touch {marker}`",
+        "SEMI": f"x; touch {marker}",
+        "QUOTES": 'it\'s "quoted" \\ $HOME',
+    }
+    body = (
+        "#!/bin/bash\n#MSUB -q debug\n#PBS -N evil\n"
+        'printf "%s\\n" "$SUBST" "$TICKS" "$SEMI" "$QUOTES" "$PBS_JOBNAME"\n'
+    )
+    wf = ms.workflow_id("hostile")
+    outcome = await ms.run_job(moab, wf, ms.spec(wf, body, environment=hostile))
+    assert outcome.final.state == JobState.COMPLETED
+    number = outcome.submitted.scheduler_job_id.split(".")[-1]
+    lines = (cluster.work_dir / f"vehpc-{wf}.o{number}").read_text().splitlines()
+    assert lines == [*hostile.values(), f"vehpc-{wf}"], (
+        "values literal; the tenant's #MSUB/#PBS lines ignored"
+    )
+    assert not marker.exists()
+    job = cluster.moab.jobs[outcome.submitted.scheduler_job_id]
+    assert job.job_class == "batch", "the tenant's #MSUB -q did not change the queue"
+    if moab.config.transport == "ssh":
+        msubs = [r for r in cluster.moab.argv_log() if r["command"] == "msub" and f"vehpc-{wf}" in r["argv"]]
+        argv = msubs[0]["argv"]
+        assert argv[argv.index("-N") + 1] == f"vehpc-{wf}" and argv[argv.index("-d") + 1] == str(
+            cluster.work_dir
+        )
+        assert not any(v in " ".join(argv) for v in hostile.values()), "tenant values never travel in argv"
+
+
+async def test_ssh_arguments_reach_the_command_verbatim(cluster: ms.MoabCluster) -> None:
+    runner = SSHRunner(
+        host="127.0.0.1",
+        port=cluster.sshd.port,
+        user=cluster.user,
+        key_path=cluster.sshd.client_key,
+        known_hosts=cluster.sshd.known_hosts,
+        timeout=10,
+        env={"MOABHOMEDIR": str(cluster.moab.home)},
+    )
+    marker = f"/tmp/vehpc-pwned-{uuid.uuid4().hex[:8]}"
+    weird = [f"$(touch {marker})", "a b  c", "it's", '"dq"', "`id`", "; rm -rf /", "\\", "*", "~", "--xml=1"]
+    result = await runner.run([str(cluster.moab.bin_dir / "checkjob"), "--xml", *weird], timeout=10)
+    await runner.close()
+    assert "cannot locate job" in result.stderr
+    logged = [r for r in cluster.moab.argv_log() if r["command"] == "checkjob" and "a b  c" in r["argv"]]
+    assert logged and logged[-1]["argv"] == ["--xml", *weird]
+    assert not Path(marker).exists()
+
+
+async def test_security_refusals(cluster: ms.MoabCluster, tmp_module: Path) -> None:
+    other = ms.make_ca(cluster.home / "other-ca", name="someone else")
+    wrong_ca = cluster.adapter(tmp_module, "rest", mws_ca_cert=str(other.ca_cert))
+    with pytest.raises(SecurityError, match="certificate"):
+        await wrong_ca.status_batch(["Moab.1"])
+    await wrong_ca.close()
+    config = cluster.config(tmp_module, "rest")
+    bad = MoabAdapter.from_config(
+        config,
+        ms.Secrets.from_env({"MOAB_USERNAME": ms.MWS_USER, "MOAB_PASSWORD": "wrong"}),
+        config.hpc.cluster_id,
+    )
+    with pytest.raises(SecurityError) as caught:
+        await bad.status_batch(["Moab.1"])
+    assert "wrong" not in str(caught.value) and ms.MWS_PASSWORD not in str(caught.value)
+    await bad.close()
+    with pytest.raises(SecurityError, match="https"):
+        cluster.adapter(tmp_module, "rest", mws_url=cluster.mws_url.replace("https://", "http://"))
+    stranger = tmp_module / "known_hosts_other"
+    stranger.write_text("")
+    unknown_host = cluster.adapter(tmp_module, "ssh", known_hosts_path=str(stranger))
+    with pytest.raises(SecurityError, match="known_hosts"):
+        await unknown_host.status_batch(["Moab.1"])
+    await unknown_host.close()
