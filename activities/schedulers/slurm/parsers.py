@@ -11,13 +11,14 @@ and live on the steps; slurmdbd's JSON reports CPU time with ``microseconds`` th
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from decimal import Decimal
 from typing import Any
 
 from activities.schedulers.slurm.states import exit_code_from_pair, exit_code_from_wait_status
+from virtengine_hpc.errors import SchedulerError
 
 # ---- the formats the commands are asked for ------------------------------------------------------------------
 
@@ -64,13 +65,41 @@ SSTAT_FIELDS = ("JobID", "MaxRSS", "TRESUsageInTot", "TRESUsageOutTot")
 SSTAT_FORMAT = ",".join(SSTAT_FIELDS)
 
 _UNITS = {"": 0, "K": 1, "M": 2, "G": 3, "T": 4, "P": 5, "E": 6}
-_SIZE_RE = re.compile(r"^(\d+(?:\.\d+)?)([KMGTPE]?)(?:i?B)?$", re.I)
-_DURATION_RE = re.compile(r"^(?:(\d+)-)?(?:(\d+):)?(\d+):(\d+(?:\.\d+)?)$")
+# re.ASCII: ``\d`` would otherwise match every Unicode digit ("١٢", "²"), which Slurm never prints.
+_SIZE_RE = re.compile(r"^(\d+(?:\.\d+)?)([KMGTPE]?)(?:i?B)?$", re.I | re.ASCII)
+_DURATION_RE = re.compile(r"^(?:(\d+)-)?(?:(\d+):)?(\d+):(\d+(?:\.\d+)?)$", re.ASCII)
+_SECONDS_RE = re.compile(r"\d+(\.\d+)?", re.ASCII)
+_MAX_DIGITS = 30
+"""Longer numbers are not Slurm output (and ``int()`` refuses strings past 4,300 digits)."""
+_MAX_NESTING = 4
 _NO_VALUE = {"", "Unknown", "None", "N/A", "(null)", "NONE", "INVALID", "UNLIMITED"}
 
 
-class ParseError(ValueError):
-    """Output that does not look like what the command was asked to print."""
+class ParseError(SchedulerError, ValueError):
+    """Output that does not look like what the command was asked to print.
+
+    A ``SchedulerError`` (transient), so the activity boundary translates it like any failed query: the watch
+    counts it as "no news" and asks again next poll, a usage reading is retried. Every parser here raises only this
+    for bad input, never a bare ``ValueError``, ``OverflowError`` or ``TypeError`` from deep inside
+    (``tests/test_fuzz_parsers.py``).
+    """
+
+    transient = True
+    code = "scheduler_output_unparsable"
+
+
+def _digits(text: str) -> bool:
+    """ASCII digits only: ``str.isdigit`` is also true for other scripts' digits (superscripts, Arabic-Indic), which ``int()`` refuses or misreads."""
+    return text.isascii() and text.isdigit() and len(text) <= _MAX_DIGITS
+
+
+def _epoch(seconds: int) -> datetime | None:
+    if seconds <= 0:
+        return None
+    try:
+        return datetime.fromtimestamp(seconds, UTC)
+    except (OverflowError, OSError, ValueError):
+        raise ParseError(f"time {seconds} is out of range") from None
 
 
 # ---- records -------------------------------------------------------------------------------------------------
@@ -145,18 +174,17 @@ def parse_time(value: str | int | None) -> datetime | None:
     if value is None:
         return None
     if isinstance(value, int):
-        return datetime.fromtimestamp(value, UTC) if value > 0 else None
+        return _epoch(value)
     text = value.strip()
     if text in _NO_VALUE:
         return None
-    if not text.isdigit():
+    if not _digits(text):
         # ISO local time: only when SLURM_TIME_FORMAT=%s did not apply (captures made by hand); read as UTC.
         try:
             return datetime.fromisoformat(text).replace(tzinfo=UTC)
         except ValueError:
             return None
-    seconds = int(text)
-    return datetime.fromtimestamp(seconds, UTC) if seconds > 0 else None
+    return _epoch(int(text))
 
 
 def parse_duration(value: str) -> Decimal | None:
@@ -164,9 +192,9 @@ def parse_duration(value: str) -> Decimal | None:
     text = value.strip()
     if text in _NO_VALUE:
         return None
-    match = _DURATION_RE.match(text)
+    match = _DURATION_RE.match(text) if len(text) <= 2 * _MAX_DIGITS else None
     if match is None:
-        if re.fullmatch(r"\d+(\.\d+)?", text):
+        if len(text) <= _MAX_DIGITS and _SECONDS_RE.fullmatch(text):
             return Decimal(text)
         raise ParseError(f"not a Slurm duration: {value[:40]!r}")
     days, hours, minutes, seconds = match.groups()
@@ -179,7 +207,7 @@ def parse_size(value: str, default_unit: str = "") -> int | None:
     text = value.strip()
     if text in _NO_VALUE:
         return None
-    match = _SIZE_RE.match(text)
+    match = _SIZE_RE.match(text) if len(text) <= _MAX_DIGITS else None
     if match is None:
         raise ParseError(f"not a Slurm size: {value[:40]!r}")
     number, unit = match.groups()
@@ -221,7 +249,7 @@ def parse_tres(value: str, *, usage: bool) -> dict[str, Decimal]:
 
 def parse_int(value: str) -> int | None:
     text = value.strip()
-    return int(text) if text.isdigit() else None
+    return int(text) if _digits(text) else None
 
 
 def parse_job_id(value: str) -> str:
@@ -230,7 +258,7 @@ def parse_job_id(value: str) -> str:
     if not lines:
         raise ParseError("sbatch printed no job id")
     job_id, _, _cluster = lines[-1].partition(";")
-    if not job_id.isdigit():
+    if not _digits(job_id):
         raise ParseError(f"sbatch printed {lines[-1][:80]!r}, not a job id")
     return job_id
 
@@ -262,7 +290,7 @@ def parse_squeue(
     jobs: list[QueueJob] = []
     for row in _rows(text, fields, terminated=terminated):
         job_id = row.get("JobID", "").strip()
-        if not job_id.isdigit():
+        if not _digits(job_id):
             continue  # array tasks (123_4) and heterogeneous components are not ours
         elapsed = parse_duration(row.get("TimeUsed", ""))
         jobs.append(
@@ -291,7 +319,7 @@ def parse_sacct(text: str, fields: Sequence[str] = SACCT_FIELDS) -> list[AcctJob
     for row in _rows(text, fields):
         raw_id = (row.get("JobIDRaw") or row.get("JobID") or "").strip()
         job_id, dot, step_id = raw_id.partition(".")
-        if not job_id.isdigit():
+        if not _digits(job_id):
             continue
         cpu = parse_duration(row.get("TotalCPU", ""))
         if "ElapsedRaw" in row:
@@ -386,31 +414,49 @@ def _later(a: datetime | None, b: datetime | None) -> bool:
 # ---- slurmrestd JSON (v0.0.38; the number shapes of v0.0.39+ are accepted too) -------------------------------
 
 
-def _number(value: Any) -> int | None:
+def _number(value: Any, depth: int = 0) -> int | None:
     """An integer, or v0.0.39+'s ``{"set": true, "infinite": false, "number": N}``."""
     if isinstance(value, bool):
         return None
     if isinstance(value, int):
         return value
-    if isinstance(value, Mapping):
+    if isinstance(value, Mapping) and depth < _MAX_NESTING:
         if not value.get("set", True) or value.get("infinite"):
             return None
-        return _number(value.get("number"))
+        return _number(value.get("number"), depth + 1)
     return None
 
 
-def _state_text(value: Any) -> str:
+def _state_text(value: Any, depth: int = 0) -> str:
     """``"RUNNING"``, or v0.0.39+'s ``["RUNNING"]`` / ``{"current": ["RUNNING"]}``."""
     if isinstance(value, Mapping):
-        return _state_text(value.get("current"))
+        return _state_text(value.get("current"), depth + 1) if depth < _MAX_NESTING else ""
     if isinstance(value, list | tuple):
-        return str(value[0]) if value else ""
-    return str(value or "")
+        return _state_text(value[0], depth + 1) if value and depth < _MAX_NESTING else ""
+    return str(value or "")[:200]
+
+
+def _obj(value: Any) -> Mapping[str, Any]:
+    """A nested JSON object, or an empty one when slurmrestd sent another shape (treated as absent)."""
+    return value if isinstance(value, Mapping) else {}
+
+
+def _items(value: Any) -> list[Any]:
+    return value if isinstance(value, list) else []
+
+
+def _jobs(body: Mapping[str, Any]) -> list[Any]:
+    """The ``jobs`` list of an answer; any other shape there means we are not reading what we asked for."""
+    jobs = body.get("jobs") if isinstance(body, Mapping) else None
+    if jobs is None:
+        return []
+    if not isinstance(jobs, list):
+        raise ParseError(f"slurmrestd answered with 'jobs' of type {type(jobs).__name__}, not a list")
+    return jobs
 
 
 def rest_errors(body: Mapping[str, Any]) -> list[dict[str, Any]]:
-    errors = body.get("errors") or []
-    return [e for e in errors if isinstance(e, Mapping)]  # type: ignore[misc]
+    return [e for e in _items(_obj(body).get("errors")) if isinstance(e, dict)]
 
 
 def rest_error_text(error: Mapping[str, Any]) -> str:
@@ -429,7 +475,7 @@ def rest_error_code(error: Mapping[str, Any]) -> int | None:
 def parse_rest_jobs(body: Mapping[str, Any]) -> list[QueueJob]:
     """``GET /slurm/v0.0.38/jobs`` or ``/job/{id}``."""
     jobs: list[QueueJob] = []
-    for raw in body.get("jobs") or []:
+    for raw in _jobs(body):
         if not isinstance(raw, Mapping):
             continue
         job_id = _number(raw.get("job_id"))
@@ -456,13 +502,13 @@ def parse_rest_jobs(body: Mapping[str, Any]) -> list[QueueJob]:
     return jobs
 
 
-def _tres_list(items: Iterable[Any], *, usage: bool) -> dict[str, Decimal]:
+def _tres_list(items: Any, *, usage: bool) -> dict[str, Decimal]:
     """slurmdbd TRES lists: ``[{"type": "fs", "name": "disk", "count": 44118}, ...]``.
 
     Usage counts are base units already (cpu in milliseconds, sizes in bytes); allocation ``mem`` is MiB.
     """
     out: dict[str, Decimal] = {}
-    for item in items or []:
+    for item in _items(items):
         if not isinstance(item, Mapping):
             continue
         kind, name, count = item.get("type"), item.get("name"), _number(item.get("count"))
@@ -502,13 +548,13 @@ def _db_exit(value: Any) -> int | None:
 def parse_rest_db_jobs(body: Mapping[str, Any]) -> list[AcctJob]:
     """``GET /slurmdb/v0.0.38/job/{id}`` or ``/jobs``: accounting records with their steps."""
     jobs: list[AcctJob] = []
-    for raw in body.get("jobs") or []:
+    for raw in _jobs(body):
         if not isinstance(raw, Mapping):
             continue
         job_id = _number(raw.get("job_id"))
         if job_id is None:
             continue
-        times = raw.get("time") or {}
+        times = _obj(raw.get("time"))
         state_obj = raw.get("state") or {}
         state = _state_text(state_obj)
         kill_user = raw.get("kill_request_user")
@@ -516,17 +562,17 @@ def parse_rest_db_jobs(body: Mapping[str, Any]) -> list[AcctJob]:
             state = f"CANCELLED by {kill_user}"
         steps: list[AcctStep] = []
         energy = Decimal(0)
-        for raw_step in raw.get("steps") or []:
+        for raw_step in _items(raw.get("steps")):
             if not isinstance(raw_step, Mapping):
                 continue
             step_ref = raw_step.get("step") or {}
-            step_id = str(step_ref.get("id") if isinstance(step_ref, Mapping) else "")
-            step_times = raw_step.get("time") or {}
-            tres = raw_step.get("tres") or {}
-            requested = tres.get("requested") or {}
-            usage_in = _tres_list(requested.get("total") or [], usage=True)
+            step_id = str(step_ref.get("id") if isinstance(step_ref, Mapping) else "")[:64]
+            step_times = _obj(raw_step.get("time"))
+            tres = _obj(raw_step.get("tres"))
+            requested = _obj(tres.get("requested"))
+            usage_in = _tres_list(requested.get("total"), usage=True)
             usage_in.pop("cpu", None)  # cpu time comes from time.total (microsecond precision)
-            maxima = _tres_list(requested.get("max") or [], usage=True)
+            maxima = _tres_list(requested.get("max"), usage=True)
             rss = maxima.get("mem")
             steps.append(
                 AcctStep(
@@ -536,11 +582,11 @@ def parse_rest_db_jobs(body: Mapping[str, Any]) -> list[AcctJob]:
                     total_cpu_seconds=_seconds(step_times.get("total")),
                     max_rss_bytes=int(rss) if rss is not None else None,
                     usage_in=usage_in,
-                    usage_out=_tres_list((tres.get("consumed") or {}).get("total") or [], usage=True),
+                    usage_out=_tres_list(_obj(tres.get("consumed")).get("total"), usage=True),
                 )
             )
-            statistics = raw_step.get("statistics") or {}
-            consumed = _number((statistics.get("energy") or {}).get("consumed"))
+            statistics = _obj(raw_step.get("statistics"))
+            consumed = _number(_obj(statistics.get("energy")).get("consumed"))
             energy += Decimal(consumed or 0)
         exit_code = _db_exit(raw.get("exit_code"))
         if exit_code == 0 and state.split()[0] in ("FAILED", "OUT_OF_MEMORY", "NODE_FAIL", "BOOT_FAIL"):
@@ -555,7 +601,7 @@ def parse_rest_db_jobs(body: Mapping[str, Any]) -> list[AcctJob]:
                 exit_code=exit_code,
                 elapsed_seconds=_number(times.get("elapsed")) or 0,
                 total_cpu_seconds=sum((s.total_cpu_seconds for s in steps), Decimal(0)),
-                alloc_tres=_tres_list((raw.get("tres") or {}).get("allocated") or [], usage=False),
+                alloc_tres=_tres_list(_obj(raw.get("tres")).get("allocated"), usage=False),
                 energy_joules=energy or None,
                 submit_time=parse_time(_number(times.get("submission"))),
                 start_time=parse_time(_number(times.get("start"))),
