@@ -21,6 +21,7 @@ if [ "$(id -u)" = 0 ] && [ -z "${VEHPC_NO_SLURM:-}" ]; then
   log "local SLURM cluster"
   if ! temporal-dev/slurm-up.sh; then echo "slurm-up failed" >&2; exit 1; fi
   started_slurm=1
+  export VEHPC_REQUIRE_SLURM=1  # the cluster is up: a SLURM test that cannot reach it fails instead of skipping
 fi
 cleanup() {
   if [ "$started_slurm" = 1 ]; then log "stopping the SLURM cluster"; temporal-dev/slurm-down.sh || true; fi
