@@ -1,0 +1,241 @@
+"""The Open OnDemand adapter: OIDC client credentials against a real-JWT identity provider (signature checked
+against its JWKS), then submission through the underlying scheduler (MOAB over a real sshd) as the tenant's mapped
+cluster user. Outcomes, the users jobs really run as, session URLs, refusals, exactly once, outages."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import pwd
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from activities.schedulers.base import SubmitRequest, SubmitResult
+from activities.schedulers.ood import OODAdapter
+from tests import moab_support as ms
+from tests.conftest import make_config
+from tests.sim import oidc
+from tests.sim.https import HttpsServer
+from tests.sim.moab import ensure_user
+from virtengine_hpc.config import Config, Secrets
+from virtengine_hpc.errors import (
+    ConfigError,
+    SchedulerUnavailable,
+    SecurityError,
+    SubmissionRejected,
+)
+from virtengine_hpc.models import JobSpec
+from virtengine_hpc.states import JobState
+
+USERS = ("vehpcood1", "vehpcood2")
+ALICE, BOB, CAROL = "virtengine1tenant0alice", "virtengine1tenant0bob", "virtengine1tenant0carol"
+CLIENT_ID = "virtengine-provider"
+SECRET = f"s-{uuid.uuid4().hex}"
+DASHBOARD = "https://ondemand.example.org"
+
+
+@pytest.fixture(scope="module")
+def users() -> tuple[str, str]:
+    if not all(ensure_user(u) for u in USERS):
+        pytest.skip("needs root to create the two cluster users the tenants map to")
+    return USERS
+
+
+@pytest.fixture(scope="module")
+def cluster(users: tuple[str, str]) -> Iterator[ms.MoabCluster]:
+    with ms.moab_cluster(walltime_cap=3.0) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def idp(cluster: ms.MoabCluster) -> Iterator[oidc.IdP]:
+    provider = oidc.IdP(CLIENT_ID, SECRET, users=[USERS[0], USERS[1]])
+    server = HttpsServer(cluster.ca, oidc.IdPHandler, oidc.setup(provider))
+    server.start()
+    provider.issuer = server.url
+    provider.server = server  # type: ignore[attr-defined]
+    yield provider
+    server.stop()
+
+
+def ood_config(cluster: ms.MoabCluster, idp: oidc.IdP, tmp: Path, **ood: Any) -> Config:
+    section = {
+        "dashboard_url": DASHBOARD,
+        "oidc_issuer": idp.issuer,
+        "oidc_token_url": f"{idp.issuer}/token",
+        "oidc_client_id": CLIENT_ID,
+        "oidc_users_claim": "ood_users",
+        "ca_cert": str(cluster.ca.ca_cert),
+        "underlying_scheduler": "moab",
+        "user_mapping": {ALICE: USERS[0], BOB: USERS[1], CAROL: "vehpcnobody"},
+    }
+    section.update(ood)
+    return make_config(
+        tmp,
+        hpc={
+            "scheduler_type": "ood",
+            "cluster_id": f"ood-{uuid.uuid4().hex[:8]}",
+            "retry": {"max_retries": 1, "initial_backoff": "100ms", "max_backoff": "200ms"},
+            "moab": cluster.moab_section("ssh", ssh_user="placeholder"),
+            "ood": section,
+        },
+    )
+
+
+def secrets(secret: str = SECRET) -> Secrets:
+    return Secrets.from_env({"OOD_OIDC_CLIENT_SECRET": secret})
+
+
+@pytest.fixture
+async def ood(cluster: ms.MoabCluster, idp: oidc.IdP, tmp_path: Path) -> AsyncIterator[OODAdapter]:
+    config = ood_config(cluster, idp, tmp_path)
+    adapter = OODAdapter.from_config(config, secrets(), config.hpc.cluster_id)
+    yield adapter
+    await adapter.close()
+
+
+async def test_jobs_run_as_each_tenants_cluster_user(ood: OODAdapter, cluster: ms.MoabCluster) -> None:
+    wf_a, wf_b = ms.workflow_id("ood-alice"), ms.workflow_id("ood-bob")
+    a, b = await asyncio.gather(
+        ms.run_job(ood, wf_a, ms.spec(wf_a, "id -un\n", tenant=ALICE)),
+        ms.run_job(ood, wf_b, ms.spec(wf_b, "id -un\nexit 3\n", tenant=BOB)),
+    )
+    assert a.submitted.scheduler_job_id.startswith(f"{USERS[0]}/Moab.")
+    assert b.submitted.scheduler_job_id.startswith(f"{USERS[1]}/Moab.")
+    assert a.final.state == JobState.COMPLETED and a.final.exit_code == 0
+    assert b.final.state == JobState.FAILED and b.final.exit_code == 3
+    for outcome, user in ((a, USERS[0]), (b, USERS[1])):
+        native = outcome.submitted.scheduler_job_id.split("/")[1]
+        job = cluster.moab.jobs[native]
+        assert job.user == user and job.uid == pwd.getpwnam(user).pw_uid, (
+            "submitted over SSH as the mapped user"
+        )
+        out = cluster.work_dir / f"{job.name}.o{job.number}"
+        assert out.read_text().strip() == user and os.stat(out).st_uid == job.uid, "and ran as that user"
+        assert outcome.usage is not None and outcome.usage.final
+        assert outcome.usage.scheduler_job_id == outcome.submitted.scheduler_job_id
+    ssh_users = {r["uid"] for r in cluster.moab.argv_log() if r["command"] == "msub"}
+    assert {pwd.getpwnam(u).pw_uid for u in USERS} <= ssh_users
+
+
+async def test_running_session_names_the_dashboard_and_cancel_ends_it(ood: OODAdapter) -> None:
+    wf = ms.workflow_id("ood-session")
+    raw = ms.spec(wf, "x", tenant=ALICE).model_dump(exclude={"script"})
+    job = JobSpec.model_validate({**raw, "template_id": "interactive-session"})
+    # The body is what the template resolver rendered; a stand-in service that runs until cancelled.
+    submitted = await ood.submit(SubmitRequest(workflow_id=wf, job=job, body="sleep 60\n"))
+    job_id = submitted.scheduler_job_id
+    assert job_id.startswith(f"{USERS[0]}/") and job_id.endswith("/session")
+    for _ in range(100):
+        status = (await ood.status_batch([job_id]))[job_id]
+        if status.state == JobState.RUNNING:
+            break
+        await asyncio.sleep(0.1)
+    assert status.state == JobState.RUNNING
+    assert f"connect at {DASHBOARD}/pun/sys/dashboard/batch_connect/sessions" in status.reason
+    await ood.cancel(job_id)
+    status = (await ood.status_batch([job_id]))[job_id]
+    assert status.state == JobState.CANCELLED and "pun/sys" not in status.reason
+    await ood.cancel(job_id)  # ended: not an error
+
+
+async def test_refusals_submit_nothing(
+    ood: OODAdapter, cluster: ms.MoabCluster, idp: oidc.IdP, tmp_path: Path
+) -> None:
+    before = len(cluster.moab.jobs)
+    wf = ms.workflow_id("ood-refused")
+    with pytest.raises(SubmissionRejected, match="user_mapping"):
+        await ood.submit(
+            SubmitRequest(workflow_id=wf, job=ms.spec(wf, "true\n", tenant="virtengine1nobody0x"), body="x")
+        )
+    with pytest.raises(SecurityError, match="vehpcnobody"):  # mapped, but the IdP does not list the user
+        await ood.submit(SubmitRequest(workflow_id=wf, job=ms.spec(wf, "true\n", tenant=CAROL), body="x"))
+    config = ood_config(cluster, idp, tmp_path)
+    wrong = OODAdapter.from_config(config, secrets("not-the-secret"), config.hpc.cluster_id)
+    with pytest.raises(SecurityError, match="refused client") as caught:
+        await wrong.submit(SubmitRequest(workflow_id=wf, job=ms.spec(wf, "true\n", tenant=ALICE), body="x"))
+    assert "not-the-secret" not in str(caught.value) and SECRET not in str(caught.value)
+    await wrong.close()
+    for knob, value, match in (
+        ("sign_with_stranger", True, "Signature verification failed"),
+        ("lifetime", -120, "expired"),
+        ("audience", "someone-else", "(?i)audience"),
+    ):
+        setattr(idp, knob, value)
+        fresh = OODAdapter.from_config(config, secrets(), config.hpc.cluster_id)
+        try:
+            with pytest.raises(SecurityError, match=match):
+                await fresh.submit(
+                    SubmitRequest(workflow_id=wf, job=ms.spec(wf, "true\n", tenant=ALICE), body="x")
+                )
+        finally:
+            setattr(idp, knob, {"sign_with_stranger": False, "lifetime": 300, "audience": None}[knob])
+            await fresh.close()
+    assert len(cluster.moab.jobs) == before
+    with pytest.raises(ConfigError, match="https"):
+        OODAdapter.from_config(
+            ood_config(cluster, idp, tmp_path, oidc_token_url=f"http://127.0.0.1:{idp.server.port}/token"),  # type: ignore[attr-defined]
+            secrets(),
+            "c",
+        )
+
+
+async def test_exactly_once_across_a_lost_answer_and_a_restarted_worker(
+    ood: OODAdapter, cluster: ms.MoabCluster, idp: oidc.IdP, tmp_path: Path
+) -> None:
+    wf = ms.workflow_id("ood-once")
+    job = ms.spec(wf, "sleep 30\n", tenant=BOB)
+    inner = ood.adapter_for(USERS[1])
+    real = inner.backend.submit  # type: ignore[attr-defined]
+
+    async def lose_answer(plan: Any) -> str:
+        await real(plan)
+        raise SchedulerUnavailable("answer lost (simulated)")
+
+    inner.backend.submit = lose_answer  # type: ignore[attr-defined]
+    try:
+        first = await ood.submit(SubmitRequest(workflow_id=wf, job=job, body=job.script or ""))
+    finally:
+        inner.backend.submit = real  # type: ignore[attr-defined]
+    assert first.adopted
+    config = ood_config(cluster, idp, tmp_path)
+    restarted = OODAdapter.from_config(config, secrets(), config.hpc.cluster_id)
+    again = await restarted.submit(SubmitRequest(workflow_id=wf, job=job, body=job.script or ""))
+    assert again == SubmitResult(scheduler_job_id=first.scheduler_job_id, adopted=True)
+    assert await restarted.find(wf) == first.scheduler_job_id
+    assert [j.job_id for j in cluster.moab.jobs.values() if j.name == f"vehpc-{wf}"] == [
+        first.scheduler_job_id.split("/")[1]
+    ]
+    await restarted.cancel(first.scheduler_job_id)
+    await restarted.close()
+
+
+async def test_outages_are_unavailable_not_state_changes(
+    ood: OODAdapter, cluster: ms.MoabCluster, idp: oidc.IdP, tmp_path: Path
+) -> None:
+    config = ood_config(cluster, idp, tmp_path)
+    wf = ms.workflow_id("ood-outage")
+    job = ms.spec(wf, "sleep 30\n", tenant=ALICE)
+    submitted = await ood.submit(SubmitRequest(workflow_id=wf, job=job, body="x"))
+    idp.fail_with = 503
+    try:
+        fresh = OODAdapter.from_config(config, secrets(), config.hpc.cluster_id)
+        with pytest.raises(SchedulerUnavailable):
+            await fresh.submit(SubmitRequest(workflow_id=ms.workflow_id("x"), job=job, body="x"))
+        await fresh.close()
+    finally:
+        idp.fail_with = None
+    cluster.moab.stop()
+    try:
+        with pytest.raises(SchedulerUnavailable):
+            await ood.status_batch([submitted.scheduler_job_id])
+    finally:
+        cluster.moab.start()
+    status = await ood.status_batch([submitted.scheduler_job_id, "no-slash", "u/x/y"])
+    assert status[submitted.scheduler_job_id].state in (JobState.QUEUED, JobState.RUNNING)
+    assert not status["no-slash"].found and not status["u/x/y"].found
+    await ood.cancel(submitted.scheduler_job_id)
