@@ -93,7 +93,7 @@ def secrets() -> Secrets:
 
 
 @contextmanager
-def moab_cluster(walltime_cap: float = 3.0) -> Iterator[MoabCluster]:
+def moab_cluster(walltime_cap: float = 3.0, max_nodes: int = 4) -> Iterator[MoabCluster]:
     """Start the simulator, its sshd and its MWS; stop them all after."""
     home = Path(tempfile.mkdtemp(prefix="vehpc-moab-"))
     home.chmod(0o755)
@@ -101,7 +101,7 @@ def moab_cluster(walltime_cap: float = 3.0) -> Iterator[MoabCluster]:
     work = home / "work"
     work.mkdir()
     work.chmod(0o1777)
-    moab = MoabSim(home / "moab", Options(walltime_cap=walltime_cap))
+    moab = MoabSim(home / "moab", Options(walltime_cap=walltime_cap, max_nodes=max_nodes))
     moab.start()
     sshd = SshServer.create(home / "ssh")
     sshd.start()
