@@ -41,7 +41,14 @@ from virtengine_hpc.errors import ConfigError
 ENV_PREFIX = "VIRTENGINE_HPC__"
 MAX_DURATION_SECONDS = 10 * 365 * 86400
 """No setting needs a duration longer than ten years; a longer one is a typo (or would overflow ``timedelta``)."""
-_DURATION_PART = re.compile(r"(\d+(?:\.\d+)?)(ms|s|m|h|d)")
+# re.ASCII: ``\d`` alone matches every script's digits (an Arabic-Indic one followed by "s" would be a second).
+_DURATION_PART = re.compile(r"(\d+(?:\.\d+)?)(ms|s|m|h|d)", re.ASCII)
+_SECONDS = re.compile(r"\d+(\.\d+)?", re.ASCII)
+MAX_CONFIG_VALUES = 100_000
+"""A configuration has a few hundred values; a file that expands to more (YAML aliases can make a 300-byte file
+expand to hundreds of millions) is refused before anything walks it."""
+MAX_CONFIG_DEPTH = 64
+MAX_ERRORS_SHOWN = 10
 _UNIT_SECONDS = {"ms": 0.001, "s": 1, "m": 60, "h": 3600, "d": 86400}
 # Keys that look like credentials; a config file holding one is refused.
 _SECRET_KEY = re.compile(r"(password|passwd|secret|token|api_key|apikey|private_key|credential)", re.I)
@@ -67,7 +74,7 @@ def parse_duration(value: Any) -> timedelta:
             pass
     if isinstance(value, str):
         text = value.strip().lower()
-        if re.fullmatch(r"\d+(\.\d+)?", text):
+        if _SECONDS.fullmatch(text):
             return _seconds(float(text), value)
         pos, total = 0, 0.0
         for match in _DURATION_PART.finditer(text):
@@ -82,8 +89,9 @@ def parse_duration(value: Any) -> timedelta:
 
 def _seconds(seconds: float, given: Any) -> timedelta:
     # timedelta raises OverflowError (not ValueError) for inf, nan and huge numbers; pydantic would let that
-    # escape as a crash instead of naming the key.
-    if not math.isfinite(seconds) or seconds > MAX_DURATION_SECONDS:
+    # escape as a crash instead of naming the key. Compare before anything converts an int to float: a
+    # 400-digit integer overflows that conversion too.
+    if not seconds <= MAX_DURATION_SECONDS or not math.isfinite(seconds):
         raise ValueError(f"invalid duration {_shown(given)} (at most {MAX_DURATION_SECONDS // 86400} days)")
     return timedelta(seconds=seconds)
 
@@ -854,7 +862,7 @@ def _env_value(raw: str) -> Any:
         return ""
     try:
         value = yaml.safe_load(raw)
-    except yaml.YAMLError:
+    except (yaml.YAMLError, RecursionError, ValueError):  # ValueError: an integer past int()'s digit limit
         return raw
     if value is None or isinstance(value, str | dict | list):
         return value
@@ -895,14 +903,39 @@ def _yaml_problem(exc: yaml.YAMLError) -> str:
     return type(exc).__name__
 
 
+def _check_size(data: Any, where: str) -> None:
+    """Refuse a tree with more than ``MAX_CONFIG_VALUES`` values or deeper than ``MAX_CONFIG_DEPTH``, counting
+    each alias every time it is reached: what every later walk of the tree would have to visit. Iterative, so
+    the check itself cannot exhaust the stack."""
+    stack: list[tuple[Any, int]] = [(data, 1)]
+    seen = 0
+    while stack:
+        node, depth = stack.pop()
+        seen += 1
+        if seen > MAX_CONFIG_VALUES:
+            raise ConfigError(
+                f"{where} holds more than {MAX_CONFIG_VALUES:,} values once YAML aliases are expanded; "
+                "a configuration is never that large"
+            )
+        if depth > MAX_CONFIG_DEPTH:
+            raise ConfigError(f"{where} is nested deeper than {MAX_CONFIG_DEPTH} levels")
+        if isinstance(node, Mapping):
+            stack.extend((value, depth + 1) for value in node.values())
+        elif isinstance(node, list | tuple):
+            stack.extend((value, depth + 1) for value in node)
+
+
 def _format_errors(err: PydanticValidationError) -> str:
     lines = []
-    for item in err.errors():
+    errors = err.errors()
+    for item in errors[:MAX_ERRORS_SHOWN]:
         where = ".".join(str(p) for p in item["loc"]) or "(top level)"
         msg = item["msg"].removeprefix("Value error, ")
         if item["type"] == "extra_forbidden":
             msg = "unknown key (check the spelling against docs/configuration.md)"
         lines.append(f"{where}: {msg}")
+    if len(errors) > MAX_ERRORS_SHOWN:
+        lines.append(f"and {len(errors) - MAX_ERRORS_SHOWN} more")
     return "invalid configuration: " + "; ".join(lines)
 
 
@@ -930,12 +963,18 @@ def load_config(
         except yaml.YAMLError as exc:
             # Not str(exc): PyYAML quotes the offending line, which may hold a credential.
             raise ConfigError(f"config file {path} is not valid YAML: {_yaml_problem(exc)}") from None
+        except RecursionError:
+            raise ConfigError(f"config file {path} is nested too deeply to read") from None
+        except ValueError as exc:  # PyYAML's int(): a number past Python's 4,300-digit limit
+            raise ConfigError(f"config file {path} holds a value that cannot be read: {exc}"[:300]) from None
         if raw is None:  # an empty file (or only comments): every default
             raw = {}
         if not isinstance(raw, Mapping):
             raise ConfigError(f"config file {path}: the top level must be a mapping of sections")
+    _check_size(raw, f"config file {path}" if path is not None else "the configuration")
     _refuse_secrets(raw)
     overrides = _env_overrides(env)
+    _check_size(overrides, "the VIRTENGINE_HPC__* environment overrides")
     _refuse_secrets(overrides)
     merged = _empty_sections_as_defaults(_merge(dict(raw), overrides), Config)
     try:
