@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import os
 import pwd
+import shutil
 import tempfile
 import time
 import uuid
@@ -115,6 +116,7 @@ def moab_cluster(walltime_cap: float = 3.0, max_nodes: int = 4) -> Iterator[Moab
         server.stop()
         sshd.stop()
         moab.close()
+        shutil.rmtree(home, ignore_errors=True)
 
 
 def spec(job_id: str, script: str, **fields: Any) -> JobSpec:
