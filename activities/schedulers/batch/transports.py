@@ -1,4 +1,5 @@
-"""Ways to run a batch scheduler's commands that every scheduler shares: over one persistent SSH connection.
+"""Ways to reach a batch scheduler that every scheduler shares: commands over one persistent SSH connection, and
+the verified TLS context of its HTTPS services (MOAB Web Services, an OIDC provider).
 
 ``SSHRunner`` keeps one paramiko connection (key auth, host key checked against known_hosts with ``RejectPolicy``)
 and opens a channel per command; every argument is ``shlex``-quoted, the script goes on the channel's stdin.
@@ -13,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import shlex
 import socket
+import ssl
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -197,3 +199,11 @@ def read_all(recv: Any, deadline: float) -> bytes:
         if not data:
             return b"".join(chunks)
         chunks.append(data)
+
+
+def tls_context(ca_cert: Path | None) -> ssl.SSLContext:
+    """Verified TLS: the given CA bundle, else the system's roots. Verification is never turned off."""
+    try:
+        return ssl.create_default_context(cafile=str(ca_cert) if ca_cert else None)
+    except (OSError, ssl.SSLError) as exc:
+        raise SecurityError(f"cannot load the CA certificate {ca_cert}: {exc}") from None

@@ -29,6 +29,7 @@ from pydantic import SecretStr
 
 from activities.schedulers.batch.base import CommandExecutor, CommandResult
 from activities.schedulers.batch.plan import SubmitPlan
+from activities.schedulers.batch.transports import tls_context
 from activities.schedulers.moab import parsers as p
 from activities.schedulers.moab.script import msub_argv, render_mws_job, render_script
 from virtengine_hpc.errors import (
@@ -194,14 +195,6 @@ class CliBackend(MoabBackend):
 # ---- MOAB Web Services -------------------------------------------------------------------------------------------
 
 _API = {"api-version": "3"}
-
-
-def tls_context(ca_cert: Path | None) -> ssl.SSLContext:
-    """Verified TLS: the given CA bundle, else the system's roots. Verification is never turned off."""
-    try:
-        return ssl.create_default_context(cafile=str(ca_cert) if ca_cert else None)
-    except (OSError, ssl.SSLError) as exc:
-        raise SecurityError(f"cannot load the CA certificate {ca_cert}: {exc}") from None
 
 
 class MwsBackend(MoabBackend):

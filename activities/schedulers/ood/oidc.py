@@ -21,7 +21,7 @@ import httpx
 import jwt
 from pydantic import SecretStr
 
-from activities.schedulers.moab.backends import tls_context
+from activities.schedulers.batch.transports import tls_context
 from virtengine_hpc.errors import ConfigError, SchedulerUnavailable, SecurityError
 
 log = logging.getLogger(__name__)
