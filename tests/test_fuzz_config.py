@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 
 from virtengine_hpc.config import Secrets, load_config, parse_duration
 from virtengine_hpc.errors import ConfigError
+from virtengine_hpc.node.config import load_agent_config
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -59,6 +60,24 @@ def test_a_hostile_file_is_refused_quickly_with_a_config_error(tmp_path: Path, n
     assert time.monotonic() - started < 10, f"{name}: the loader took too long"
     assert len(str(info.value)) < 2000, "the message names the problem; it does not echo the document"
     assert not Path("/tmp/vehpc-pwned-config").exists()
+
+
+@pytest.mark.parametrize("name", sorted(HOSTILE_FILES))
+def test_the_node_agent_config_loader_refuses_them_too(tmp_path: Path, name: str) -> None:
+    path = tmp_path / "hpc-node-agent.yaml"
+    path.write_text(HOSTILE_FILES[name], encoding="utf-8", errors="surrogatepass")
+    started = time.monotonic()
+    with pytest.raises(ConfigError) as info:
+        load_agent_config(path, env={})
+    assert time.monotonic() - started < 10
+    assert len(str(info.value)) < 2000
+
+
+def test_a_node_agent_latency_target_bomb_is_refused() -> None:
+    started = time.monotonic()
+    with pytest.raises(ConfigError):
+        load_agent_config(env={"VE_NODE_LATENCY_TARGETS": "[" * 50_000 + "]" * 50_000})
+    assert time.monotonic() - started < 10
 
 
 @pytest.mark.parametrize("name", ["alias bomb", "deep list", "huge integer", "huge duration"])

@@ -903,7 +903,7 @@ def _yaml_problem(exc: yaml.YAMLError) -> str:
     return type(exc).__name__
 
 
-def _check_size(data: Any, where: str) -> None:
+def check_config_size(data: Any, where: str) -> None:
     """Refuse a tree with more than ``MAX_CONFIG_VALUES`` values or deeper than ``MAX_CONFIG_DEPTH``, counting
     each alias every time it is reached: what every later walk of the tree would have to visit. Iterative, so
     the check itself cannot exhaust the stack."""
@@ -971,10 +971,10 @@ def load_config(
             raw = {}
         if not isinstance(raw, Mapping):
             raise ConfigError(f"config file {path}: the top level must be a mapping of sections")
-    _check_size(raw, f"config file {path}" if path is not None else "the configuration")
+    check_config_size(raw, f"config file {path}" if path is not None else "the configuration")
     _refuse_secrets(raw)
     overrides = _env_overrides(env)
-    _check_size(overrides, "the VIRTENGINE_HPC__* environment overrides")
+    check_config_size(overrides, "the VIRTENGINE_HPC__* environment overrides")
     _refuse_secrets(overrides)
     merged = _empty_sections_as_defaults(_merge(dict(raw), overrides), Config)
     try:

@@ -18,7 +18,7 @@ import yaml
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator
 from pydantic import ValidationError as PydanticValidationError
 
-from virtengine_hpc.config import Duration
+from virtengine_hpc.config import MAX_ERRORS_SHOWN, Duration, check_config_size
 from virtengine_hpc.errors import ConfigError
 from virtengine_hpc.models import Address, Identifier
 from virtengine_hpc.node.heartbeat import Label, NodePlacement
@@ -117,7 +117,11 @@ def _env_overrides(env: Mapping[str, str]) -> dict[str, Any]:
         if key not in fields:
             raise ConfigError(f"{name}: unknown setting (known: {', '.join(sorted(fields))})")
         if key == "latency-targets" and value.strip().startswith("["):
-            out[key] = yaml.safe_load(value)
+            try:
+                out[key] = yaml.safe_load(value)
+            except (yaml.YAMLError, RecursionError, ValueError):
+                raise ConfigError(f"{name}: not a YAML list of targets") from None
+            check_config_size(out[key], name)
         else:
             out[key] = value
     return out
@@ -125,12 +129,15 @@ def _env_overrides(env: Mapping[str, str]) -> dict[str, Any]:
 
 def _format(err: PydanticValidationError) -> str:
     parts = []
-    for item in err.errors():
+    errors = err.errors()
+    for item in errors[:MAX_ERRORS_SHOWN]:
         where = ".".join(str(p) for p in item["loc"]) or "(top level)"
         message = item["msg"].removeprefix("Value error, ")
         if item["type"] == "extra_forbidden":
             message = "unknown key (see docs/node-agent.md for the keys)"
         parts.append(f"{where}: {message}")
+    if len(errors) > MAX_ERRORS_SHOWN:
+        parts.append(f"and {len(errors) - MAX_ERRORS_SHOWN} more")
     return "invalid hpc-node-agent configuration: " + "; ".join(parts)
 
 
@@ -145,13 +152,20 @@ def load_agent_config(
     data: dict[str, Any] = {}
     if path is not None:
         try:
-            text = Path(path).read_text()
+            text = Path(path).read_text(encoding="utf-8")
         except OSError as exc:
             raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from None
+        except UnicodeDecodeError as exc:
+            raise ConfigError(f"config file {path} is not UTF-8 text: {exc.reason}") from None
         try:
             loaded = yaml.safe_load(text) or {}
         except yaml.YAMLError as exc:
             raise ConfigError(f"config file {path} is not valid YAML: {exc}") from None
+        except RecursionError:
+            raise ConfigError(f"config file {path} is nested too deeply to read") from None
+        except ValueError as exc:  # PyYAML's int(): a number past Python's 4,300-digit limit
+            raise ConfigError(f"config file {path} holds a value that cannot be read: {exc}"[:300]) from None
+        check_config_size(loaded, f"config file {path}")
         if not isinstance(loaded, dict):
             raise ConfigError(f"config file {path}: the top level must be a mapping of keys")
         data.update({str(k): v for k, v in loaded.items()})
