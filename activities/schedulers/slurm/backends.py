@@ -307,7 +307,7 @@ class RestBackend(SlurmBackend):
         cluster: str,
         user: str,
         lookback_days: int,
-        max_parallel: int = 8,
+        max_parallel: int = 16,
     ) -> None:
         super().__init__()
         self.http = client

@@ -123,7 +123,7 @@ class RestClient:
         user: str,
         token: SecretStr,
         timeout: float,
-        max_connections: int = 8,
+        max_connections: int = 16,
         transport: httpx.AsyncBaseTransport | None = None,
     ) -> None:
         self.base_url = base_url.rstrip("/")
