@@ -538,6 +538,17 @@ async def test_drain_and_resume_node_with_a_hostile_reason(env: dict[str, Any]) 
         await adapter.close()
 
 
+async def test_drain_over_ssh_as_an_unprivileged_user_is_refused_for_good(env: dict[str, Any]) -> None:
+    adapter = sc.adapter(env, "ssh", max_retries=0)
+    try:
+        with pytest.raises(SchedulerError) as caught:
+            await adapter.drain_node(env["node"], "not allowed")
+        assert not caught.value.transient and caught.value.command[:2] == ["scontrol", "update"]
+        assert "DRAIN" not in sc.slurm_command(env, ["scontrol", "show", "node", env["node"]])
+    finally:
+        await adapter.close()
+
+
 async def test_rest_with_a_bad_token_is_a_security_error_not_an_outage(env: dict[str, Any]) -> None:
     from pydantic import SecretStr
 
