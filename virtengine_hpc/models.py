@@ -207,18 +207,23 @@ class SchedulingDecision(Model):
 
 
 class UsageMetrics(Model):
-    """Usage over one period (or, in accounting, over the whole job). ``None`` means not measured here."""
+    """Usage over one period (or, in accounting, over the whole job). ``None`` means not measured here.
 
-    wall_clock_seconds: Decimal = Decimal(0)
-    cpu_core_seconds: Decimal = Decimal(0)
-    memory_gb_seconds: Decimal = Decimal(0)
-    gpu_seconds: Decimal = Decimal(0)
-    node_hours: Decimal = Decimal(0)
-    storage_gb_hours: Decimal = Decimal(0)
-    network_bytes_in: int | None = None
-    network_bytes_out: int | None = None
-    energy_joules: Decimal | None = None
-    memory_bytes_max: int | None = None
+    No quantity is negative: a record with negative usage would settle below zero and refund the tenant more
+    than the escrow held (found by ``tests/test_fuzz_models.py``), so the model refuses it wherever a record or
+    accounting report is read.
+    """
+
+    wall_clock_seconds: Decimal = Field(Decimal(0), ge=0)
+    cpu_core_seconds: Decimal = Field(Decimal(0), ge=0)
+    memory_gb_seconds: Decimal = Field(Decimal(0), ge=0)
+    gpu_seconds: Decimal = Field(Decimal(0), ge=0)
+    node_hours: Decimal = Field(Decimal(0), ge=0)
+    storage_gb_hours: Decimal = Field(Decimal(0), ge=0)
+    network_bytes_in: int | None = Field(None, ge=0)
+    network_bytes_out: int | None = Field(None, ge=0)
+    energy_joules: Decimal | None = Field(None, ge=0)
+    memory_bytes_max: int | None = Field(None, ge=0)
 
 
 class UsageRecord(Model):

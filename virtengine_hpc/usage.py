@@ -91,4 +91,12 @@ def sign_record(record: UsageRecord, signer: Signer) -> UsageRecord:
 
 
 def verify_record(record: UsageRecord, public_key: Ed25519PublicKey) -> bool:
-    return bool(record.signature) and verify(public_key, signing_payload(record), record.signature)
+    """True when ``record`` carries a valid signature of ``public_key`` over its canonical form; False for
+    anything else, including a record whose canonical form cannot even be built (a non-finite number)."""
+    if not record.signature:
+        return False
+    try:
+        payload = signing_payload(record)
+    except (TypeError, ValueError):
+        return False
+    return verify(public_key, payload, record.signature)
