@@ -20,19 +20,24 @@ import asyncio
 import json
 import re
 from collections.abc import Callable, Sequence
+from decimal import Decimal
+from functools import partial
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
+from pydantic import SecretStr
 
 from activities.schedulers.base import SubmitRequest
 from activities.schedulers.slurm import parsers as p
 from activities.schedulers.slurm.adapter import SlurmAdapter
-from activities.schedulers.slurm.backends import TRANSIENT_PATTERNS, CliBackend
+from activities.schedulers.slurm.backends import TRANSIENT_PATTERNS, CliBackend, RestBackend
 from activities.schedulers.slurm.base import Backoff, CommandExecutor, CommandResult
 from activities.schedulers.slurm.states import exit_code_from_pair, exit_code_from_wait_status, map_state
+from activities.schedulers.slurm.transports import RestClient
 from virtengine_hpc.config import SlurmConfig
 from virtengine_hpc.errors import HPCError, SchedulerError
 from virtengine_hpc.models import JobSpec
@@ -179,6 +184,7 @@ def test_sacct_output(text: str) -> None:
     jobs = _typed(lambda: p.parse_sacct(text))
     for job in jobs or []:
         assert ASCII_ID.match(job.job_id), job.job_id
+        _no_negative_quantities(job.alloc_tres, job.elapsed_seconds, job.total_cpu_seconds)
         map_state(job.state, job.reason)
 
 
@@ -199,15 +205,26 @@ def test_sbatch_and_scontrol_output(text: str) -> None:
     assert all(isinstance(k, str) and isinstance(v, str) for k, v in config.items())
 
 
+def _no_negative_quantities(tres: dict[str, Decimal], *numbers: Decimal | int | None) -> None:
+    """Usage is priced from these; a negative or NaN one would settle below zero (the ledger would refund more
+    than the escrow)."""
+    for value in [*tres.values(), *numbers]:
+        if value is not None:
+            assert Decimal(value).is_finite() and value >= 0, (tres, numbers)
+
+
 @pytest.mark.timeout(120)
 @FAST
 @given(value=FIELD)
+@example(value="cpu=-1,node=-2")
+@example(value="gres/gpu=NaN,billing=Infinity")
 def test_scalar_fields(value: str) -> None:
     _typed(lambda: p.parse_time(value))
     _typed(lambda: p.parse_duration(value))
     _typed(lambda: p.parse_size(value))
-    _typed(lambda: p.parse_tres(value, usage=True))
-    _typed(lambda: p.parse_tres(value, usage=False))
+    for usage in (True, False):
+        tres: dict[str, Decimal] = _typed(partial(p.parse_tres, value, usage=usage)) or {}
+        _no_negative_quantities(tres)
     number = _typed(lambda: p.parse_int(value))
     assert number is None or number >= 0
     exit_code_from_pair(value)
@@ -323,9 +340,21 @@ BODIES = mutated_json() | st.dictionaries(REST_KEYS, JSON_VALUES, max_size=4) | 
 @pytest.mark.timeout(120)
 @FAST
 @given(body=BODIES)
+@example(body={"jobs": [{"job_id": 1, "exit_code": {"status": "EXITED", "return_code": 0}}]})
+@example(body={"jobs": [{"job_id": 1, "tres": {"allocated": [{"type": "node", "count": -4}]}}]})
+@example(body={"jobs": [{"job_id": 1, "time": {"elapsed": -5}}]})
+@example(body={"jobs": [{"job_id": 1, "steps": [{"time": {"total": {"seconds": -3}}}]}]})
+@example(body={"jobs": [{"job_id": 1, "start_time": 10**20}]})
+@example(body={"jobs": 5})
+@example(body={"jobs": [{"job_id": -1}]})
+@example(body={"errors": 7, "jobs": "x"})
 def test_slurmrestd_answers(body: Any) -> None:
     if not isinstance(body, dict):
         body = {"jobs": body}
+    for acct in _typed(lambda: p.parse_rest_db_jobs(body)) or []:
+        _no_negative_quantities(acct.alloc_tres, acct.elapsed_seconds, acct.total_cpu_seconds)
+        for step in acct.steps:
+            _no_negative_quantities(step.usage_in, step.elapsed_seconds, step.total_cpu_seconds)
     for job in _typed(lambda: p.parse_rest_jobs(body)) or []:
         assert ASCII_ID.match(job.job_id), job.job_id
         map_state(job.state, job.reason)
@@ -393,6 +422,30 @@ def _adapter(runner: ScriptedRunner) -> SlurmAdapter:
     )
 
 
+def _rest_adapter(bodies: list[Any]) -> SlurmAdapter:
+    """The adapter over slurmrestd, with an HTTP transport that answers every request with the next body."""
+    answers = iter(bodies * 50)
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        body: Any = next(answers, {})
+        return httpx.Response(200, content=body if isinstance(body, bytes) else json.dumps(body).encode())
+
+    client = RestClient(
+        base_url="http://slurmrestd.invalid",
+        user="hpcuser",
+        token=SecretStr("fuzz-token"),
+        timeout=5.0,
+        transport=httpx.MockTransport(answer),
+    )
+    backend = RestBackend(
+        client, api_version="v0.0.38", cluster="localcluster", user="hpcuser", lookback_days=1
+    )
+    config = SlurmConfig(cluster_name="localcluster", default_partition="debug", work_dir=Path("/tmp"))
+    return SlurmAdapter(
+        backend, cluster_id="fuzz", config=config, backoff=Backoff(max_retries=0), verify_cluster=False
+    )
+
+
 def _request() -> SubmitRequest:
     job = JobSpec(job_id="wf-fuzz", tenant="tenant1", provider="provider1", offering_id="o1", script="true\n")
     return SubmitRequest(workflow_id="wf-fuzz", job=job, body="true\n", partition="debug")
@@ -424,5 +477,33 @@ def test_the_adapter_over_garbage_output_raises_only_typed_errors(
                 for status in result.values():
                     # Garbage is never evidence that a job ended well.
                     assert status.state != JobState.COMPLETED or status.found
+
+    asyncio.run(scenario())
+
+
+REST_BODIES = st.lists(BODIES | st.sampled_from([b"", b"not json", b"[1, 2]"]), min_size=1, max_size=4)
+
+
+@pytest.mark.timeout(240)
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow], database=None)
+@given(bodies=REST_BODIES)
+def test_the_adapter_over_garbage_slurmrestd_answers_raises_only_typed_errors(bodies: list[Any]) -> None:
+    async def scenario() -> None:
+        adapter = _rest_adapter(bodies)
+        calls: list[Callable[[], Any]] = [
+            lambda: adapter.status_batch(["7", "12"]),
+            lambda: adapter.usage("7"),
+            lambda: adapter.find("wf-fuzz"),
+            lambda: adapter.submit(_request()),
+            lambda: adapter.cancel("7"),
+        ]
+        try:
+            for call in calls:
+                try:
+                    await asyncio.wait_for(call(), 20)
+                except HPCError:
+                    continue
+        finally:
+            await adapter.close()
 
     asyncio.run(scenario())

@@ -241,9 +241,13 @@ def parse_tres(value: str, *, usage: bool) -> dict[str, Decimal]:
                 out[key] = Decimal(size)
         else:
             try:
-                out[key] = Decimal(raw)
+                count = Decimal(raw)
             except ArithmeticError:
                 continue
+            if not count.is_finite() or count < 0:
+                # Usage is priced from these: a negative or NaN count would settle below zero.
+                raise ParseError(f"not a Slurm TRES count: {item[:40]!r}")
+            out[key] = count
     return out
 
 
@@ -479,7 +483,7 @@ def parse_rest_jobs(body: Mapping[str, Any]) -> list[QueueJob]:
         if not isinstance(raw, Mapping):
             continue
         job_id = _number(raw.get("job_id"))
-        if job_id is None:
+        if job_id is None or job_id <= 0:
             continue
         start, end = parse_time(_number(raw.get("start_time"))), parse_time(_number(raw.get("end_time")))
         state = _state_text(raw.get("job_state"))
@@ -514,6 +518,8 @@ def _tres_list(items: Any, *, usage: bool) -> dict[str, Decimal]:
         kind, name, count = item.get("type"), item.get("name"), _number(item.get("count"))
         if not kind or count is None:
             continue
+        if count < 0:
+            raise ParseError(f"slurmrestd TRES {str(kind)[:20]!r} has a negative count")
         key = f"{kind}/{name}" if name else str(kind)
         value = Decimal(count)
         if usage and key == "cpu":
@@ -530,7 +536,16 @@ def _seconds(value: Any) -> Decimal:
         return Decimal(0)
     seconds = _number(value.get("seconds")) or 0
     micros = _number(value.get("microseconds")) or 0
+    if seconds < 0 or micros < 0:
+        raise ParseError("slurmrestd reported a negative CPU time")
     return Decimal(seconds) + Decimal(micros) / Decimal(1_000_000)
+
+
+def _elapsed(value: Any) -> int:
+    seconds = _number(value) or 0
+    if seconds < 0:
+        raise ParseError("slurmrestd reported a negative elapsed time")
+    return seconds
 
 
 def _db_exit(value: Any) -> int | None:
@@ -552,7 +567,7 @@ def parse_rest_db_jobs(body: Mapping[str, Any]) -> list[AcctJob]:
         if not isinstance(raw, Mapping):
             continue
         job_id = _number(raw.get("job_id"))
-        if job_id is None:
+        if job_id is None or job_id <= 0:
             continue
         times = _obj(raw.get("time"))
         state_obj = raw.get("state") or {}
@@ -578,7 +593,7 @@ def parse_rest_db_jobs(body: Mapping[str, Any]) -> list[AcctJob]:
                 AcctStep(
                     step_id=step_id,
                     state=_state_text(raw_step.get("state")),
-                    elapsed_seconds=_number(step_times.get("elapsed")) or 0,
+                    elapsed_seconds=_elapsed(step_times.get("elapsed")),
                     total_cpu_seconds=_seconds(step_times.get("total")),
                     max_rss_bytes=int(rss) if rss is not None else None,
                     usage_in=usage_in,
@@ -587,9 +602,16 @@ def parse_rest_db_jobs(body: Mapping[str, Any]) -> list[AcctJob]:
             )
             statistics = _obj(raw_step.get("statistics"))
             consumed = _number(_obj(statistics.get("energy")).get("consumed"))
-            energy += Decimal(consumed or 0)
+            energy += Decimal(
+                max(consumed or 0, 0)
+            )  # unmeasured energy is 0 or a sentinel, never negative use
         exit_code = _db_exit(raw.get("exit_code"))
-        if exit_code == 0 and state.split()[0] in ("FAILED", "OUT_OF_MEMORY", "NODE_FAIL", "BOOT_FAIL"):
+        if exit_code == 0 and (state.split() or [""])[0] in (
+            "FAILED",
+            "OUT_OF_MEMORY",
+            "NODE_FAIL",
+            "BOOT_FAIL",
+        ):
             exit_code = None  # slurmdbd v0.0.38 reports "SUCCESS 0" for failed jobs: unknown beats wrong
         comment = raw.get("comment")
         comment_text = str(comment.get("job") or "") if isinstance(comment, Mapping) else str(comment or "")
@@ -599,7 +621,7 @@ def parse_rest_db_jobs(body: Mapping[str, Any]) -> list[AcctJob]:
                 job_id=str(job_id),
                 state=state,
                 exit_code=exit_code,
-                elapsed_seconds=_number(times.get("elapsed")) or 0,
+                elapsed_seconds=_elapsed(times.get("elapsed")),
                 total_cpu_seconds=sum((s.total_cpu_seconds for s in steps), Decimal(0)),
                 alloc_tres=_tres_list(_obj(raw.get("tres")).get("allocated"), usage=False),
                 energy_joules=energy or None,
