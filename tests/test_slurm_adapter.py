@@ -328,6 +328,28 @@ async def test_pending_job_cancelled_and_retried_submit_adopts(
         await held.close()
 
 
+async def test_job_that_can_never_start_fails_fast_and_is_cancelled(
+    env: dict[str, Any], slurm: SlurmAdapter
+) -> None:
+    """A dependency on a cancelled job can never be satisfied: the job is failed now, not at job_timeout_default."""
+    name = job_name(wid("never"))
+    # As the transport's own user: the adapter cancels its user's jobs (hpcuser may not cancel root's).
+    as_user = [] if transport(slurm) == "cli" else ["runuser", "-u", env["job_user"], "--"]
+    common = ["sbatch", "--parsable", "-J", name, "-o", "/dev/null", "--chdir=/tmp"]
+    held = sc.slurm_command(env, [*as_user, *common, "--hold", "--wrap", "true"]).strip()
+    sc.slurm_command(env, ["scancel", held])
+    blocked = sc.slurm_command(
+        env, [*as_user, *common, f"--dependency=afterok:{held}", "--wrap", "true"]
+    ).strip()
+    assert blocked.isdigit()
+    status = await sc.wait_for(slurm, blocked, lambda s: s.state != JobState.QUEUED, timeout=30)
+    assert status.state == JobState.FAILED
+    assert "will never start: DependencyNeverSatisfied" in status.reason
+    # ... and Slurm no longer holds it pending: it cannot start behind the workflow's back.
+    cancelled = await sc.wait_for(slurm, blocked, lambda s: s.native_state == "CANCELLED", timeout=30)
+    assert cancelled.state == JobState.CANCELLED
+
+
 async def test_unknown_jobs_are_not_found_never_completed(slurm: SlurmAdapter) -> None:
     statuses = await slurm.status_batch(["999999", "12x", "999998"])
     assert all(not s.found for s in statuses.values())
