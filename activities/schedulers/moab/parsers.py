@@ -38,6 +38,10 @@ class ParseError(ValueError):
     """MOAB answered something that is not what its documentation describes."""
 
 
+_MAX_DIGITS = 30
+"""Longer numbers are not MOAB output (and ``int()`` refuses strings past 4,300 digits)."""
+
+
 @dataclass
 class MoabJob:
     """One job as MOAB reports it (either transport)."""
@@ -80,31 +84,50 @@ def is_job_id(value: str) -> bool:
 
 
 def _epoch(value: str | None) -> datetime | None:
-    if not value:
+    seconds = _int(value)
+    if seconds is None or seconds <= 0:
         return None
     try:
-        seconds = int(float(value))
-    except ValueError:
+        return datetime.fromtimestamp(seconds, UTC)
+    except (OverflowError, OSError, ValueError):  # beyond what a clock holds: garbage, not a time
         return None
-    return datetime.fromtimestamp(seconds, UTC) if seconds > 0 else None
 
 
 def _int(value: Any) -> int | None:
-    if value is None or value == "":
+    """An integer MOAB printed (``"600"``, ``"97.50"``, ``600``); ``None`` for anything else. Lenient on purpose
+    (an attribute MOAB left out or garbled is unknown, not fatal), but never an ``OverflowError`` from ``inf``
+    or ``1e400`` nor a ``ValueError`` from a 5,000-digit string (``tests/test_fuzz_moab_parsers.py``)."""
+    if value is None or value == "" or isinstance(value, bool):
+        return None
+    if isinstance(value, str) and len(value.strip()) > _MAX_DIGITS:
         return None
     try:
-        return int(float(value))
+        number = float(value)
     except (TypeError, ValueError):
         return None
+    if number != number or number in (float("inf"), float("-inf")):
+        return None
+    return int(value) if isinstance(value, int) else int(number)
+
+
+def _count(value: Any) -> int | None:
+    """A quantity (seconds, processors, MiB): never negative, since usage is priced from it."""
+    number = _int(value)
+    return number if number is not None and number >= 0 else None
 
 
 def _decimal(value: Any) -> Decimal | None:
-    if value is None or value == "":
+    if value is None or value == "" or isinstance(value, bool):
         return None
     try:
-        return Decimal(str(value))
+        number = Decimal(str(value)[:_MAX_DIGITS])
     except InvalidOperation:
         return None
+    return number if number.is_finite() and number >= 0 else None
+
+
+def _list(value: Any) -> list[Any]:
+    return value if isinstance(value, list) else []
 
 
 def duration_seconds(text: str | None) -> int | None:
@@ -112,10 +135,12 @@ def duration_seconds(text: str | None) -> int | None:
     if not text:
         return None
     value = text.strip()
-    if value.isdigit():
+    if len(value) > _MAX_DIGITS:
+        return None
+    if value.isascii() and value.isdigit():
         return int(value)
     parts = value.split(":")
-    if not all(p.isdigit() for p in parts) or len(parts) > 4:
+    if not all(p.isascii() and p.isdigit() for p in parts) or len(parts) > 4:
         return None
     seconds = 0
     for part, unit in zip(reversed(parts), (1, 60, 3600, 86400), strict=False):
@@ -134,9 +159,11 @@ def _xml(text: str, what: str) -> Element:
 def _job_from_xml(job: Element, queue: str) -> MoabJob:
     a = job.attrib
     reqs = job.findall("req")
-    mem_per_task = sum((_int(r.get("ReqMemPerTask")) or 0) * (_int(r.get("TaskCount")) or 1) for r in reqs)
-    util_mem = [u for u in (_int(r.get("UtilMem")) for r in reqs) if u is not None]
-    gpus = sum(_int(r.get("GPUS")) or 0 for r in reqs)
+    mem_per_task = sum(
+        (_count(r.get("ReqMemPerTask")) or 0) * (_count(r.get("TaskCount")) or 1) for r in reqs
+    )
+    util_mem = [u for u in (_count(r.get("UtilMem")) for r in reqs) if u is not None]
+    gpus = sum(_count(r.get("GPUS")) or 0 for r in reqs)
     alloc_nodes = {n for r in reqs for n in (r.get("AllocNodeList") or "").replace(",", " ").split() if n}
     completion = Completion.parse(a.get("CompletionCode")) if "CompletionCode" in a else None
     return MoabJob(
@@ -151,11 +178,11 @@ def _job_from_xml(job: Element, queue: str) -> MoabJob:
         start_time=_epoch(a.get("StartTime")),
         end_time=_epoch(a.get("CompletionTime")),
         walltime_limit=duration_seconds(a.get("ReqAWDuration")),
-        wall_seconds=_int(a.get("AWDuration")),
+        wall_seconds=_count(a.get("AWDuration")),
         cpu_seconds=_decimal(a.get("StatPSUtl")),
-        procs=_int(a.get("ReqProcs")),
-        nodes=len(alloc_nodes) or _int(a.get("ReqNodes")),
-        mem_mb=mem_per_task or _int(a.get("ReqMem")),
+        procs=_count(a.get("ReqProcs")),
+        nodes=len(alloc_nodes) or _count(a.get("ReqNodes")),
+        mem_mb=mem_per_task or _count(a.get("ReqMem")),
         util_mem_mb=max(util_mem) if util_mem else None,
         gpus=gpus,
     )
@@ -168,7 +195,7 @@ def parse_showq(text: str) -> list[MoabJob]:
     for queue in root.iter("queue"):
         option = queue.get("option", "")
         jobs.extend(_job_from_xml(job, option) for job in queue.findall("job"))
-    return jobs
+    return [job for job in jobs if is_job_id(job.job_id)]  # an id MOAB never issues is not a job of ours
 
 
 def parse_checkjob(text: str) -> list[MoabJob]:
@@ -178,7 +205,8 @@ def parse_checkjob(text: str) -> list[MoabJob]:
     for job in root.iter("job"):
         parsed = _job_from_xml(job, "")
         parsed.queue = "completed" if parsed.completion is not None else "active"
-        out.append(parsed)
+        if is_job_id(parsed.job_id):
+            out.append(parsed)
     return out
 
 
@@ -214,15 +242,17 @@ def _dict(value: Any) -> dict[str, Any]:
 
 def parse_mws_job(body: dict[str, Any]) -> MoabJob:
     """One job object of MWS API v3 (``GET /rest/jobs/<name>`` or an element of ``results``)."""
+    if not isinstance(body, dict):
+        raise ParseError(f"MWS job is not an object: {str(body)[:200]}")
     name = body.get("name") or body.get("id")
-    if not isinstance(name, str) or not name:
-        raise ParseError(f"MWS job without a name: {str(body)[:200]}")
+    if not isinstance(name, str) or not is_job_id(name):
+        raise ParseError(f"MWS job without a valid name: {str(body)[:200]}")
     states = _dict(body.get("states"))
     credentials = _dict(body.get("credentials"))
     dates = _dict(body.get("dates"))
-    reqs = [r for r in body.get("requirements") or [] if isinstance(r, dict)]
-    holds = [str(h) for h in body.get("holds") or []]
-    blocks = [b for b in body.get("blocks") or [] if isinstance(b, dict)]
+    reqs = [r for r in _list(body.get("requirements")) if isinstance(r, dict)]
+    holds = [str(h) for h in _list(body.get("holds"))]
+    blocks = [b for b in _list(body.get("blocks")) if isinstance(b, dict)]
     state = str(states.get("state") or "")
     if holds and state.lower() in ("idle", "hold", ""):
         state = {"USER": "UserHold", "SYSTEM": "SystemHold", "BATCH": "BatchHold"}.get(
@@ -232,8 +262,8 @@ def parse_mws_job(body: dict[str, Any]) -> MoabJob:
     if body.get("completionCode") is not None or str(body.get("queueStatus", "")).lower() == "completed":
         completion = Completion(_int(body.get("completionCode")), cancelled=bool(body.get("cancelled")))
     mem = sum(
-        (_int(_dict(_dict(r.get("resourcesPerTask")).get("MEM")).get("dedicated")) or 0)
-        * (_int(r.get("taskCount")) or 1)
+        (_count(_dict(_dict(r.get("resourcesPerTask")).get("MEM")).get("dedicated")) or 0)
+        * (_count(r.get("taskCount")) or 1)
         for r in reqs
     )
     return MoabJob(
@@ -247,15 +277,15 @@ def parse_mws_job(body: dict[str, Any]) -> MoabJob:
         submit_time=_mws_date(dates.get("submitDate")),
         start_time=_mws_date(dates.get("startDate")),
         end_time=_mws_date(dates.get("completionDate")),
-        walltime_limit=_int(body.get("duration")),
-        wall_seconds=_int(body.get("durationActive")),
+        walltime_limit=_count(body.get("duration")),
+        wall_seconds=_count(body.get("durationActive")),
         cpu_seconds=_decimal(body.get("cpuTime")),
-        procs=sum(_int(r.get("requiredProcessorCountMinimum")) or 0 for r in reqs) or None,
-        nodes=sum(_int(r.get("requiredNodeCountMinimum")) or 0 for r in reqs) or None,
+        procs=sum(_count(r.get("requiredProcessorCountMinimum")) or 0 for r in reqs) or None,
+        nodes=sum(_count(r.get("requiredNodeCountMinimum")) or 0 for r in reqs) or None,
         mem_mb=mem or None,
-        util_mem_mb=_int(body.get("memoryUtilizedMaximum")),
-        gpus=sum(_int(r.get("gpus")) or 0 for r in reqs),
-        message="; ".join(str(m) for m in body.get("messages") or [] if m)[:500],
+        util_mem_mb=_count(body.get("memoryUtilizedMaximum")),
+        gpus=sum(_count(r.get("gpus")) or 0 for r in reqs),
+        message="; ".join(str(m) for m in _list(body.get("messages")) if m)[:500],
     )
 
 
@@ -264,7 +294,13 @@ def parse_mws_jobs(body: dict[str, Any]) -> list[MoabJob]:
     results = body.get("results")
     if not isinstance(results, list):
         raise ParseError(f"MWS jobs answer without results: {str(body)[:200]}")
-    return [parse_mws_job(job) for job in results if isinstance(job, dict)]
+    return [parse_mws_job(job) for job in results if isinstance(job, dict) and _named(job)]
+
+
+def _named(job: dict[str, Any]) -> bool:
+    """A job object whose name is an id MOAB issues; any other is not a job of ours."""
+    name = job.get("name") or job.get("id")
+    return isinstance(name, str) and is_job_id(name)
 
 
 def mws_messages(body: Any) -> str:
