@@ -481,6 +481,28 @@ def test_the_adapter_over_garbage_output_raises_only_typed_errors(
     asyncio.run(scenario())
 
 
+@pytest.mark.timeout(120)
+@FAST
+@given(
+    text=TEXTS
+    | st.lists(
+        st.tuples(st.sampled_from(["ClusterName", "SlurmctldPort", "MinJobAge", "SlurmctldHost[0]"]), FIELD),
+        max_size=4,
+    ).map(lambda kv: "\n".join(f"{k} = {v}" for k, v in kv))
+)
+@example(text="ClusterName = localcluster\nSlurmctldPort = \u00b2\nMinJobAge = \u00b3 sec\n")
+def test_scontrol_show_config_through_the_adapter_check(text: str) -> None:
+    """The adapter's first call asks which cluster it reached; an odd answer is a typed error or a mismatch."""
+
+    async def scenario() -> None:
+        try:
+            await _adapter(ScriptedRunner([(0, text, "")])).status_batch(["7"])
+        except HPCError:
+            return
+
+    asyncio.run(scenario())
+
+
 REST_BODIES = st.lists(BODIES | st.sampled_from([b"", b"not json", b"[1, 2]"]), min_size=1, max_size=4)
 
 

@@ -176,8 +176,8 @@ class CliBackend(SlurmBackend):
         return ClusterInfo(
             cluster_name=config.get("ClusterName", ""),
             controller_hosts=tuple(hosts),
-            controller_port=int(port) if port.isdigit() else None,
-            min_job_age_seconds=int(age) if age.isdigit() else None,
+            controller_port=p.parse_int(port),  # ASCII digits only: "²".isdigit() is True, int("²") fails
+            min_job_age_seconds=p.parse_int(age),
         )
 
     async def submit(self, plan: SubmitPlan) -> str:
