@@ -195,6 +195,27 @@ def sacct_jobs_named(env: dict[str, Any], name: str) -> list[str]:
     return [line.strip() for line in out.splitlines() if line.strip()]
 
 
+def controller_jobs_named(env: dict[str, Any], name: str) -> list[str]:
+    """Every job id the controller holds under ``name``, any user, any state (complete for ``MinJobAge``)."""
+    out = slurm_command(env, ["squeue", "-h", "-t", "all", "-n", name, "-o", "%A"])
+    return sorted(line.strip() for line in out.splitlines() if line.strip())
+
+
+async def wait_in_accounting(env: dict[str, Any], workflow: str, timeout: float = 40) -> list[str]:
+    """Job ids accounting holds under a workflow's job name, once it has heard of them.
+
+    Accounting learns of a job 4-5 s after submission, and a name query can trail an id query by a few seconds
+    more. Name queries find only jobs that were eligible to run: held jobs never show up this way.
+    """
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        ids = sacct_jobs_named(env, "vehpc-" + workflow)
+        if ids:
+            return ids
+        await asyncio.sleep(1)
+    return []
+
+
 def cancel_test_jobs(env: dict[str, Any], scope: str) -> None:
     """scancel every job (of any user) whose workflow id starts with ``slurmtest-<scope>``: the end of a test
     module cleans up its own jobs only, never another module's running at the same time."""

@@ -206,7 +206,7 @@ async def test_completed_job_reports_its_end_and_exact_final_usage(
     assert again == SubmitResult(scheduler_job_id=job_id, adopted=True), (
         "a finished job is adopted, not redone"
     )
-    assert sc.sacct_jobs_named(env, job_name(outcome.workflow_id)) == [job_id]
+    assert await sc.wait_in_accounting(env, outcome.workflow_id) == [job_id]
 
 
 async def test_failed_job_keeps_its_exit_code(outcomes: dict[str, asyncio.Task[Outcome]]) -> None:
@@ -375,21 +375,6 @@ class _LosesAnswers:
         return job_id
 
 
-async def wait_in_accounting(env: dict[str, Any], wf: str, timeout: float = 40) -> list[str]:
-    """Job ids accounting holds for the workflow's name, once it has heard of them (4-5 s after submission).
-
-    Accounting finds jobs by name only once they were eligible to run: held jobs never show up this way, so
-    the exactly-once tests use short real jobs.
-    """
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        ids = sc.sacct_jobs_named(env, job_name(wf))
-        if ids:
-            return ids
-        await asyncio.sleep(1)
-    return []
-
-
 async def test_lost_submit_answer_is_adopted_inside_the_adapter(
     env: dict[str, Any], slurm: SlurmAdapter
 ) -> None:
@@ -405,8 +390,9 @@ async def test_lost_submit_answer_is_adopted_inside_the_adapter(
         results = await asyncio.gather(*(adapter.submit(request) for _ in range(3)))
         assert len({r.scheduler_job_id for r in results}) == 1
         assert sorted(r.adopted for r in results) == [False, True, True]
-        assert await wait_in_accounting(env, wf) == [result.scheduler_job_id], "exactly one Slurm job"
-        assert await wait_in_accounting(env, wf2) == [results[0].scheduler_job_id], "exactly one Slurm job"
+        for w, expected in ((wf, result.scheduler_job_id), (wf2, results[0].scheduler_job_id)):
+            assert sc.controller_jobs_named(env, job_name(w)) == [expected], "exactly one Slurm job"
+            assert await sc.wait_in_accounting(env, w) == [expected], "and accounting agrees"
     finally:
         await adapter.close()
 
@@ -421,7 +407,7 @@ async def test_job_the_controller_forgot_is_found_in_accounting(
         submitted = await adapter.submit(
             SubmitRequest(workflow_id=wf, job=sc.spec(wf, "true\n"), body="true\n")
         )
-        assert await wait_in_accounting(env, wf) == [submitted.scheduler_job_id]
+        assert await sc.wait_in_accounting(env, wf) == [submitted.scheduler_job_id]
 
         async def forgetful(names: Any) -> list[Any]:
             return []
@@ -470,7 +456,8 @@ async def test_submitter_killed_after_sbatch_leaves_exactly_one_job(
             SubmitRequest(workflow_id=wf, job=sc.spec(wf, "true\n"), body="true\n")
         )
         assert recovered == SubmitResult(scheduler_job_id=job_id, adopted=True)
-        assert await wait_in_accounting(env, wf) == [job_id]
+        assert sc.controller_jobs_named(env, job_name(wf)) == [job_id]
+        assert await sc.wait_in_accounting(env, wf) == [job_id]
     finally:
         await adapter.close()
 

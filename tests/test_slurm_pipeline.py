@@ -19,7 +19,6 @@ import pytest
 from temporalio.client import Client
 
 from activities.schedulers.slurm import SlurmAdapter
-from activities.schedulers.slurm.script import job_name
 from tests import slurm_cluster as sc
 from tests.conftest import make_config
 from tests.pipeline_harness import Pipeline, running_pipeline
@@ -132,6 +131,6 @@ async def test_jobs_complete_fail_and_cancel_through_the_pipeline(
     assert pipe.audit_events("job_cancelled", cancelled)
 
     for job_id in (done, failed, cancelled):
-        assert sc.sacct_jobs_named(env, job_name(job_id)) == [results[job_id].scheduler_job_id], (
+        assert await sc.wait_in_accounting(env, job_id) == [results[job_id].scheduler_job_id], (
             "exactly one Slurm job per chain job"
         )
