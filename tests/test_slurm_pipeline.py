@@ -1,5 +1,6 @@
 """The whole provider pipeline on the real SLURM cluster: chain (LocalLedger) -> poller -> HPCJobWorkflow on a real
-Temporal dev server -> the real SlurmAdapter (local CLI) -> slurmctld, and signed usage back to the chain.
+Temporal dev server -> the real SlurmAdapter (local CLI, and slurmrestd) -> slurmctld, and signed usage back to the
+chain.
 
 What a provider would notice: the states the chain went through, the exit code, the usage records (signed, gapless,
 one final, adding up to exactly what Slurm's accounting says), the settlement, and one Slurm job per chain job.
@@ -56,11 +57,16 @@ def pipeline_config(tmp_path: Path, env: dict[str, Any], transport: str = "cli")
     )
 
 
-@pytest.fixture
+@pytest.fixture(params=["cli", "rest"])
 async def pipe(
-    client: Client, tmp_path: Path, key_path: Path, task_queue: str, env: dict[str, Any]
+    request: pytest.FixtureRequest,
+    client: Client,
+    tmp_path: Path,
+    key_path: Path,
+    task_queue: str,
+    env: dict[str, Any],
 ) -> AsyncIterator[Pipeline]:
-    config = pipeline_config(tmp_path, env)
+    config = pipeline_config(tmp_path, env, request.param)
     adapter = SlurmAdapter.from_config(config, sc.secrets(env), config.hpc.cluster_id)
     async with running_pipeline(client, config, key_path, adapter, task_queue) as p:
         yield p
