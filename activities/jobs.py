@@ -230,7 +230,9 @@ class JobActivities:
         while True:
             now = datetime.now(UTC)
             try:
-                status = await batcher.status(request.scheduler_job_id)
+                # A status query can take longer than the heartbeat timeout (a controller that is down makes
+                # Slurm's commands retry for a while): keep heartbeating while it runs.
+                status = await heartbeating(batcher.status(request.scheduler_job_id))
             except SchedulerError as exc:
                 activity.heartbeat({"last_state": request.last_state.value, "error": str(exc)[:200]})
                 status = None
@@ -343,13 +345,16 @@ class JobActivities:
         job = request.job
         rid = record_id(request.cluster_id, job.job_id, request.sequence)
         try:
-            existing = await self.chain.get_usage_record(rid)
+            # Chain calls heartbeat while they wait: a busy ledger waits out its busy timeout (30 s) before it
+            # answers ChainUnavailable, longer than the 10 s heartbeat timeout, and a silent wait had Temporal
+            # cancel and retry the attempt while the first one's write still sat in a thread (chaos benchmark).
+            existing = await heartbeating(self.chain.get_usage_record(rid))
             if existing is not None:
                 record = existing
                 cumulative = _add(request.previous_cumulative, record)
             else:
                 record, cumulative = await heartbeating(self._new_record(request, rid))
-                result = await self.usage_batcher.submit(record)
+                result = await heartbeating(self.usage_batcher.submit(record))
                 if rid not in result.accepted and rid not in result.duplicates:
                     raise ChainError(f"chain did not take usage record {rid}", transient=True)
                 self.audit.record(
@@ -364,13 +369,15 @@ class JobActivities:
                 )
             output = UsageOutput(record_id=rid, cumulative=cumulative, period_end=record.period_end)
             if request.is_final and request.report_accounting:
-                settlement = await self.chain.report_accounting(
-                    AccountingReport(
-                        job_id=job.job_id,
-                        cluster_id=request.cluster_id,
-                        totals=cumulative,
-                        final_record_id=rid,
-                        record_count=request.sequence,
+                settlement = await heartbeating(
+                    self.chain.report_accounting(
+                        AccountingReport(
+                            job_id=job.job_id,
+                            cluster_id=request.cluster_id,
+                            totals=cumulative,
+                            final_record_id=rid,
+                            record_count=request.sequence,
+                        )
                     )
                 )
                 self.audit.record(

@@ -1,0 +1,117 @@
+"""Faults under load, in CI: the small version of ``benchmarks/chaos.py``.
+
+Real processes: a Temporal dev server on a SQLite file, the production worker and poller, the LocalLedger, jobs
+on the local executor (every outcome: completed, failed, timeout, cancelled by the tenant) and one on the local
+SLURM cluster. While they run, the worker is SIGKILLed once and the ledger is made unwritable for longer than its
+busy timeout (another process holds SQLite's write lock), so every chain write in that window fails with
+``ChainUnavailable`` and must be retried. Then the nine invariants of ``benchmarks/chaos.py`` must hold: the
+right terminal state for every job, exactly one scheduler job and one execution per job, gapless unique usage
+sequences, one final record, records that add up to the scheduler's final accounting, a settlement that prices
+the records, valid signatures, an intact audit chain, and no failed workflow task.
+
+Also here: the regression test for what the first chaos run found (a usage report waiting on a busy ledger did
+not heartbeat, so Temporal cancelled and retried it while its write still waited in a thread).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from datetime import UTC, datetime
+from pathlib import Path
+
+import pytest
+from temporalio.testing import ActivityEnvironment
+
+from activities.schedulers.base import SubmitRequest
+from benchmarks.chaos import ChaosRun, LedgerLock, Plan
+from tests import slurm_cluster as sc
+from tests.conftest import make_config
+from tests.memory_adapter import MemoryAdapter
+from tests.pipeline_harness import TENANT, setup_ledger
+from virtengine_hpc.config import Secrets
+from virtengine_hpc.messages import UsageInput
+from virtengine_hpc.models import JobSpec, UsageMetrics
+from virtengine_hpc.signing import Signer
+from virtengine_hpc.states import JobState
+from workers.wiring import build_worker_deps
+
+
+@pytest.mark.slow
+@pytest.mark.slurm
+@pytest.mark.timeout(300)
+async def test_jobs_of_every_outcome_survive_a_worker_kill_and_a_ledger_outage(tmp_path: Path) -> None:
+    plan = Plan(
+        slurm=sc.cluster(),
+        slurm_jobs={"complete": 1},
+        local_jobs={"complete": 2, "fail": 1, "timeout": 1, "cancel": 1},
+        kills=1,
+        kill_window=(4.0, 8.0),
+        temporal_restart_at=None,
+        slurmctld_outage_at=None,
+        ledger_outage_at=12.0,
+        ledger_outage=35.0,  # longer than the ledger's 30 s busy timeout: writes fail, not just wait
+        seed=7,
+        timeout=240.0,
+    )
+    outcome = await ChaosRun(tmp_path, plan).run()
+    outcome.print()
+    assert outcome.ok, "\n".join(f"{c.name}: {c.detail}" for c in outcome.checks if not c.ok)
+    assert any("worker SIGKILLed" in line for line in outcome.faults)
+    assert any("ledger write lock held" in line for line in outcome.faults)
+    evidence = outcome.faults[-1]
+    assert "2 worker starts" in evidence
+    assert "0 attempts cancelled by Temporal" in evidence, evidence
+    assert {row["cluster"] for row in outcome.jobs} == {"local", "slurm"}
+
+
+async def test_a_usage_report_heartbeats_while_the_ledger_is_busy(tmp_path: Path, key_path: Path) -> None:
+    """The report's chain write waits on the busy ledger; it must keep heartbeating meanwhile, or Temporal
+    times the attempt out after 10 s (the short-activity heartbeat timeout) and retries it."""
+    config = make_config(tmp_path)
+    ledger = setup_ledger(config, Signer.from_file(key_path))
+    raw = {
+        "job_id": "JOB-busy",
+        "tenant": TENANT,
+        "provider": config.provider.address,
+        "offering_id": "offering-standard",
+        "script": "true\n",
+        "max_price": "10",
+    }
+    job_id = ledger.submit_job(raw)
+    adapter = MemoryAdapter()
+    deps = build_worker_deps(
+        config,
+        Secrets(provider_signing_key_path=key_path),
+        chain=ledger,
+        adapters={config.hpc.cluster_id: adapter},
+    )
+    job = JobSpec.model_validate(raw)
+    submitted = await adapter.submit(SubmitRequest(workflow_id=job_id, job=job, body="true\n"))
+    await asyncio.sleep(0.5)  # running, with some usage
+    beats: list[float] = []
+    env = ActivityEnvironment()
+    env.on_heartbeat = lambda *_: beats.append(asyncio.get_running_loop().time())
+    lock = LedgerLock(config.ledger_path)
+    lock.hold(5.0)
+    started = asyncio.get_running_loop().time()
+    try:
+        out = await env.run(
+            deps.activities.report_usage,
+            UsageInput(
+                job=job,
+                cluster_id=config.hpc.cluster_id,
+                scheduler_job_id=submitted.scheduler_job_id,
+                sequence=1,
+                period_start=datetime.now(UTC),
+                previous_cumulative=UsageMetrics(),
+                job_state=JobState.RUNNING,
+            ),
+        )
+    finally:
+        lock.release()
+        await deps.close()
+    waited = asyncio.get_running_loop().time() - started
+    assert waited >= 4, "the write waited for the lock"
+    assert out.record_id == f"{config.hpc.cluster_id}/{job_id}/1"
+    assert len([t for t in beats if t - started < waited]) >= 2, f"heartbeats while waiting: {beats}"
+    assert [r.sequence for r in ledger.usage_records(job_id)] == [1]
