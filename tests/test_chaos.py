@@ -16,11 +16,17 @@ not heartbeat, so Temporal cancelled and retried it while its write still waited
 from __future__ import annotations
 
 import asyncio
+import os
+import subprocess
+import sys
+import time
+import uuid
 from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
-from temporalio.testing import ActivityEnvironment
+import yaml
+from temporalio.testing import ActivityEnvironment, WorkflowEnvironment
 
 from activities.schedulers.base import SubmitRequest
 from benchmarks.chaos import ChaosRun, LedgerLock, Plan
@@ -62,6 +68,69 @@ async def test_jobs_of_every_outcome_survive_a_worker_kill_and_a_ledger_outage(t
     assert "2 worker starts" in evidence
     assert "0 attempts cancelled by Temporal" in evidence, evidence
     assert {row["cluster"] for row in outcome.jobs} == {"local", "slurm"}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+async def test_a_worker_started_while_the_ledger_is_busy_waits_for_it(
+    temporal_env: WorkflowEnvironment, tmp_path: Path, key_path: Path
+) -> None:
+    """Opening the ledger writes its schema; a worker started during a ledger outage longer than the busy timeout
+    exited (found by the chaos benchmark). It must wait the outage out, then serve."""
+    config = make_config(
+        tmp_path,
+        temporal={
+            "address": temporal_env.client.service_client.config.target_host,
+            "task_queue": f"busy-{uuid.uuid4().hex[:8]}",
+        },
+    )
+    ledger = setup_ledger(config, Signer.from_file(key_path))
+    job_id = ledger.submit_job(
+        {
+            "job_id": f"JOB-busy-{uuid.uuid4().hex[:8]}",
+            "tenant": TENANT,
+            "provider": config.provider.address,
+            "offering_id": "offering-standard",
+            "script": "echo hello\n",
+            "walltime_seconds": 600,
+            "max_price": "100",
+        }
+    )
+    ledger.create_decision(job_id, config.hpc.cluster_id)
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(config.model_dump(mode="json")))
+    lock = LedgerLock(config.ledger_path)
+    lock.hold(40.0)  # longer than the ledger's 30 s busy timeout
+    log_path = tmp_path / "worker.log"
+    with open(log_path, "wb") as out:
+        worker = subprocess.Popen(
+            [
+                str(Path(sys.executable).parent / "virtengine-hpc"),
+                "-c",
+                str(path),
+                "worker",
+                "run",
+                "--poller",
+            ],
+            env={**os.environ, "PROVIDER_SIGNING_KEY_PATH": str(key_path)},
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+    try:
+        await asyncio.sleep(36)
+        assert worker.poll() is None, "the worker gave up: " + log_path.read_text()[-2000:]
+        lock.release()
+        deadline = time.monotonic() + 90
+        while (job := ledger.job(job_id)) is None or not job.state.final:
+            assert time.monotonic() < deadline, f"not done: {job}"
+            assert worker.poll() is None, log_path.read_text()[-2000:]
+            await asyncio.sleep(0.5)
+        assert job.state == JobState.COMPLETED
+        assert "trying again" in log_path.read_text()
+    finally:
+        lock.release()
+        worker.terminate()
+        worker.wait(timeout=30)
 
 
 async def test_a_usage_report_heartbeats_while_the_ledger_is_busy(tmp_path: Path, key_path: Path) -> None:

@@ -19,7 +19,7 @@ import logging
 import signal
 from collections.abc import Awaitable, Callable, Sequence
 from datetime import timedelta
-from typing import Any
+from typing import Any, TypeVar
 
 from temporalio.client import Client
 from temporalio.common import VersioningBehavior
@@ -49,6 +49,7 @@ from workers.wiring import (
 from workflows.hpc_job import HPCJobWorkflow
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 def job_activities(acts: JobActivities) -> list[Callable[..., Any]]:
@@ -159,14 +160,18 @@ class WorkerProcess:
             )
         client = self.client
         await _warn_about_search_attributes(client, config.temporal.namespace)
-        deps = build_worker_deps(
-            config,
-            self.secrets,
-            chain=self._chain,
-            adapters=self._adapters,
-            clusters=self.clusters,
-            metrics=self.metrics,
-            node_capacity=True,
+        deps = await wait_out_transient(
+            lambda: build_worker_deps(
+                config,
+                self.secrets,
+                chain=self._chain,
+                adapters=self._adapters,
+                clusters=self.clusters,
+                metrics=self.metrics,
+                node_capacity=True,
+            ),
+            "worker start",
+            lambda: self.stopping,
         )
         self.deps = deps
         self.metrics.up.labels(config.temporal.build_id or "", ",".join(deps.cluster_ids)).set(1)
@@ -279,6 +284,28 @@ class WorkerProcess:
         log.info("stopped")
 
 
+async def wait_out_transient(
+    build: Callable[[], T], what: str, stopping: Callable[[], bool], *, max_delay: float = 30.0
+) -> T:
+    """``build()``, retried while it fails with a transient ``HPCError`` (the chain busy or unreachable).
+
+    Opening the ledger writes its schema; a worker (re)started while another process holds the ledger's write
+    lock failed after the 30 s busy timeout and exited, so an outage of the chain could keep workers down after
+    it ended (found by ``benchmarks/chaos.py``). Permanent errors (bad config, a key others can read) still end
+    the start at once.
+    """
+    delay = 1.0
+    while True:
+        try:
+            return build()
+        except HPCError as exc:
+            if not exc.transient or stopping():
+                raise
+            log.warning("%s: %s; trying again in %.0f s", what, exc, delay)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, max_delay)
+
+
 async def _warn_about_search_attributes(client: Client, namespace: str) -> None:
     try:
         missing = await missing_search_attributes(client, namespace)
@@ -362,7 +389,7 @@ async def run_poller(config: Config, *, clusters: Sequence[str] | None = None) -
     client = await connect(config, runtime=runtime, interceptors=tracing_interceptors(config))
     metrics = WorkerMetrics()
     audit = MeteredAuditLog(config.hpc.audit, metrics)
-    chain = open_chain(config)
+    chain = await wait_out_transient(lambda: open_chain(config), "poller start", lambda: False)
     served = list(clusters) if clusters else config.served_cluster_ids()
     pollers = [_poller(client, chain, config, audit, cluster_id) for cluster_id in served]
     stop = asyncio.Event()
