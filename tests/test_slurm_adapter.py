@@ -166,8 +166,11 @@ _started: dict[int, dict[str, asyncio.Task[Outcome]]] = {}
 
 
 @pytest.fixture
-def outcomes(env: dict[str, Any], slurm: SlurmAdapter) -> dict[str, asyncio.Task[Outcome]]:
-    """The running jobs of this transport, started once (at the first test that asks)."""
+async def outcomes(env: dict[str, Any], slurm: SlurmAdapter) -> dict[str, asyncio.Task[Outcome]]:
+    """The running jobs of this transport, started once (at the first test that asks).
+
+    An async fixture, so the tasks are created on the session's event loop whatever ran before it (a plain
+    fixture has no running loop and only worked when an earlier test had left one set on the main thread)."""
     key = id(slurm)
     if key not in _started:
         _started[key] = _scenarios(env, slurm)
