@@ -28,6 +28,7 @@ import pytest
 import yaml
 from temporalio.testing import ActivityEnvironment, WorkflowEnvironment
 
+from activities.chain.local_ledger import LocalLedger
 from activities.schedulers.base import SubmitRequest
 from benchmarks.chaos import ChaosRun, LedgerLock, Plan
 from tests import slurm_cluster as sc
@@ -35,6 +36,7 @@ from tests.conftest import make_config
 from tests.memory_adapter import MemoryAdapter
 from tests.pipeline_harness import TENANT, setup_ledger
 from virtengine_hpc.config import Secrets
+from virtengine_hpc.errors import ChainUnavailable
 from virtengine_hpc.messages import UsageInput
 from virtengine_hpc.models import JobSpec, UsageMetrics
 from virtengine_hpc.signing import Signer
@@ -68,6 +70,25 @@ async def test_jobs_of_every_outcome_survive_a_worker_kill_and_a_ledger_outage(t
     assert "2 worker starts" in evidence
     assert "0 attempts cancelled by Temporal" in evidence, evidence
     assert {row["cluster"] for row in outcome.jobs} == {"local", "slurm"}
+
+
+def test_an_existing_ledger_opens_while_another_process_holds_its_write_lock(tmp_path: Path) -> None:
+    """Opening took the write lock to create the schema even when it existed, so a worker restarted during a
+    ledger outage could not start until it ended (found by the chaos benchmark)."""
+    path = tmp_path / "ledger.db"
+    LocalLedger(path).fund(TENANT, 5)
+    lock = LedgerLock(path)
+    lock.hold(30.0)
+    try:
+        started = time.monotonic()
+        reopened = LocalLedger(path, busy_timeout=3)
+        assert time.monotonic() - started < 1
+        assert reopened.balance(TENANT) == 5, "reads go on during the outage"
+        with pytest.raises(ChainUnavailable):
+            reopened.fund(TENANT, 1)
+    finally:
+        lock.release()
+    assert LocalLedger(path).fund(TENANT, 1) == 6
 
 
 @pytest.mark.slow

@@ -175,11 +175,18 @@ class NodeLedger:
             self.path, timeout=busy_timeout, isolation_level=None, check_same_thread=False
         )
         self._db.row_factory = sqlite3.Row
-        self._db.execute(f"PRAGMA busy_timeout = {int(busy_timeout * 1000)}")
-        self._db.execute("PRAGMA journal_mode = WAL")
-        self._db.execute("PRAGMA synchronous = NORMAL")
-        with self._lock:
-            self._db.executescript(_SCHEMA)
+        try:
+            self._db.execute(f"PRAGMA busy_timeout = {int(busy_timeout * 1000)}")
+            self._db.execute("PRAGMA journal_mode = WAL")
+            self._db.execute("PRAGMA synchronous = NORMAL")
+            with self._lock:
+                self._db.executescript(_SCHEMA)
+        except sqlite3.OperationalError as exc:
+            # Another process holds the write lock while the tables are created: transient, like every other
+            # busy write here (a worker starting during a ledger outage waits it out; benchmarks/chaos.py).
+            self._db.close()
+            busy = "locked" in str(exc) or "busy" in str(exc)
+            raise ChainError(f"node ledger {self.path}: {exc}", transient=busy) from None
 
     def close(self) -> None:
         with self._lock:
