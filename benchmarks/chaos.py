@@ -301,6 +301,9 @@ class Plan:
     force_slurm_outage: bool = False
     seed: int = 0
     timeout: float = 900.0
+    local_walltime: float = 30.0
+    """The local executor stops jobs at this walltime (the model's minimum of 60 s would make timeouts slow);
+    long enough that a cancellation delayed by the faults still arrives before it."""
 
 
 @dataclass
@@ -367,7 +370,11 @@ class ChaosRun:
                 {
                     "cluster_id": self.local_id,
                     "scheduler_type": "local",
-                    "local": {"job_poll_interval": "1s", "max_walltime": "12s", "kill_wait": "2s"},
+                    "local": {
+                        "job_poll_interval": "1s",
+                        "max_walltime": f"{self.plan.local_walltime:.0f}s",
+                        "kill_wait": "2s",
+                    },
                 }
             )
         if self.plan.slurm_jobs:
@@ -494,10 +501,15 @@ class ChaosRun:
         out: list[Fault] = []
         low, high = plan.kill_window
         times: list[float] = []
-        while len(times) < plan.kills:
+        for _ in range(1000):  # random moments at least 6 s apart; evenly spaced if the window is too tight
+            if len(times) == plan.kills:
+                break
             at = self.rng.uniform(low, high)
             if all(abs(at - t) >= 6 for t in times):
                 times.append(at)
+        else:
+            step = (high - low) / max(1, plan.kills)
+            times = [low + step * (i + 0.5) for i in range(plan.kills)]
 
         def kill_worker(n: int) -> Callable[[], Awaitable[None]]:
             async def act() -> None:
@@ -601,6 +613,7 @@ class ChaosRun:
         poller = Service("poller", [*cli, "poller", "run"], env, self.base / "poller.log")
         self.plan_jobs()
         done = asyncio.Event()
+        verified = False
         try:
             worker.start()
             poller.start()
@@ -608,22 +621,28 @@ class ChaosRun:
             self.submit(ledger)
             log(f"{len(self.jobs)} jobs submitted; state under {self.base}")
             faults = asyncio.create_task(self.inject(self.faults(worker, config), done))
-            await self.wait_until_done(ledger, worker, poller, done)
-            await faults
+            try:
+                await self.wait_until_done(ledger, worker, poller, done)
+                await faults
+            finally:
+                done.set()
+                if self.lock is not None:
+                    self.lock.release()
+                if self.slurmctld is not None and self.slurmctld.down:
+                    self.slurmctld.start()
+                faults.cancel()
+                worker.stop()
+                poller.stop()
             seconds = time.monotonic() - self.started
+            if self.plan.slurm_jobs:
+                await asyncio.sleep(6)  # accounting lags the controller by ~5 s (ENVIRONMENT.md)
+            outcome = await self.verify(config, ledger, seconds)
+            verified = True
+            return outcome
         finally:
-            done.set()
-            if self.lock is not None:
-                self.lock.release()
-            if self.slurmctld is not None and self.slurmctld.down:
-                self.slurmctld.start()
-            worker.stop()
-            poller.stop()
-        if self.plan.slurm_jobs:
-            await asyncio.sleep(6)  # accounting lags the controller by ~5 s (ENVIRONMENT.md)
-        try:
-            return await self.verify(config, ledger, seconds)
-        finally:
+            if not verified:
+                worker.kill()
+                poller.kill()
             self.temporal.kill()
 
     async def wait_until_done(
@@ -868,7 +887,7 @@ class ChaosRun:
         events = list(read_events(config.hpc.audit.log_path))
         adopted = sum(1 for e in events if e["event_type"] == "state_recovered")
         worker_log = (self.base / "worker.log").read_text(errors="replace")
-        busy = worker_log.count("ChainUnavailable")
+        busy = worker_log.count("ApplicationError: ChainUnavailable")
         unavailable = worker_log.count("SchedulerUnavailable") + worker_log.count("status query failed")
         cancelled = worker_log.count("Activity cancelled")
         return (
