@@ -30,7 +30,7 @@ from temporalio.testing import ActivityEnvironment, WorkflowEnvironment
 
 from activities.chain.local_ledger import LocalLedger
 from activities.schedulers.base import SubmitRequest
-from benchmarks.chaos import ChaosRun, LedgerLock, Plan
+from benchmarks.chaos import ChaosRun, LedgerLock, Plan, TemporalServer
 from tests import slurm_cluster as sc
 from tests.conftest import make_config
 from tests.memory_adapter import MemoryAdapter
@@ -152,6 +152,59 @@ async def test_a_worker_started_while_the_ledger_is_busy_waits_for_it(
         lock.release()
         worker.terminate()
         worker.wait(timeout=30)
+
+
+@pytest.mark.timeout(180)
+async def test_a_worker_started_while_temporal_is_down_waits_for_it(tmp_path: Path, key_path: Path) -> None:
+    """A worker (re)started while the Temporal server was down exited at once (chaos benchmark: the server
+    restart caught a worker restart); it must wait for the server, then serve."""
+    server = TemporalServer(tmp_path)
+    config = make_config(tmp_path, temporal={"address": server.address, "task_queue": "down"})
+    ledger = setup_ledger(config, Signer.from_file(key_path))
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(config.model_dump(mode="json")))
+    log_path = tmp_path / "worker.log"
+    with open(log_path, "wb") as out:
+        worker = subprocess.Popen(
+            [
+                str(Path(sys.executable).parent / "virtengine-hpc"),
+                "-c",
+                str(path),
+                "worker",
+                "run",
+                "--poller",
+            ],
+            env={**os.environ, "PROVIDER_SIGNING_KEY_PATH": str(key_path)},
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+    try:
+        await asyncio.sleep(4)
+        assert worker.poll() is None, "the worker gave up: " + log_path.read_text()[-2000:]
+        await asyncio.to_thread(server.start)
+        job_id = ledger.submit_job(
+            {
+                "job_id": f"JOB-down-{uuid.uuid4().hex[:8]}",
+                "tenant": TENANT,
+                "provider": config.provider.address,
+                "offering_id": "offering-standard",
+                "script": "echo hello\n",
+                "walltime_seconds": 600,
+                "max_price": "100",
+            }
+        )
+        ledger.create_decision(job_id, config.hpc.cluster_id)
+        deadline = time.monotonic() + 90
+        while (job := ledger.job(job_id)) is None or not job.state.final:
+            assert time.monotonic() < deadline, f"not done: {job}"
+            assert worker.poll() is None, log_path.read_text()[-2000:]
+            await asyncio.sleep(0.5)
+        assert job.state == JobState.COMPLETED
+        assert "cannot connect to Temporal" in log_path.read_text() and "trying again" in log_path.read_text()
+    finally:
+        worker.terminate()
+        worker.wait(timeout=30)
+        server.kill()
 
 
 async def test_a_usage_report_heartbeats_while_the_ledger_is_busy(tmp_path: Path, key_path: Path) -> None:

@@ -155,20 +155,27 @@ class WorkerProcess:
                 sdk_metrics=bool(config.metrics.listen and config.metrics.sdk_metrics),
                 forward_logs=config.logging.format == "json",
             )
-            self.client = await connect(
-                config, self.secrets, runtime=runtime, interceptors=tracing_interceptors(config)
+            self.client = await wait_out_transient(
+                lambda: connect(
+                    config, self.secrets, runtime=runtime, interceptors=tracing_interceptors(config)
+                ),
+                "worker start",
+                lambda: self.stopping,
             )
         client = self.client
         await _warn_about_search_attributes(client, config.temporal.namespace)
         deps = await wait_out_transient(
-            lambda: build_worker_deps(
-                config,
-                self.secrets,
-                chain=self._chain,
-                adapters=self._adapters,
-                clusters=self.clusters,
-                metrics=self.metrics,
-                node_capacity=True,
+            lambda: asyncio.sleep(
+                0,
+                result=build_worker_deps(
+                    config,
+                    self.secrets,
+                    chain=self._chain,
+                    adapters=self._adapters,
+                    clusters=self.clusters,
+                    metrics=self.metrics,
+                    node_capacity=True,
+                ),
             ),
             "worker start",
             lambda: self.stopping,
@@ -285,19 +292,24 @@ class WorkerProcess:
 
 
 async def wait_out_transient(
-    build: Callable[[], T], what: str, stopping: Callable[[], bool], *, max_delay: float = 30.0
+    build: Callable[[], Awaitable[T]],
+    what: str,
+    stopping: Callable[[], bool],
+    *,
+    max_delay: float = 30.0,
 ) -> T:
-    """``build()``, retried while it fails with a transient ``HPCError`` (the chain busy or unreachable).
+    """``await build()``, retried while it fails with a transient ``HPCError``: Temporal unreachable, the chain
+    busy or unreachable. (A synchronous step is passed as ``lambda: asyncio.sleep(0, result=step())``.)
 
-    Opening the ledger writes its schema; a worker (re)started while another process holds the ledger's write
-    lock failed after the 30 s busy timeout and exited, so an outage of the chain could keep workers down after
-    it ended (found by ``benchmarks/chaos.py``). Permanent errors (bad config, a key others can read) still end
-    the start at once.
+    A worker (re)started while Temporal was down exited at once, and one started while another process held the
+    ledger's write lock exited after the 30 s busy timeout: an outage could keep workers down after it ended
+    (found by ``benchmarks/chaos.py``). Permanent errors (bad config, a key others can read) still end the start
+    at once.
     """
     delay = 1.0
     while True:
         try:
-            return build()
+            return await build()
         except HPCError as exc:
             if not exc.transient or stopping():
                 raise
@@ -386,10 +398,16 @@ async def run_poller(config: Config, *, clusters: Sequence[str] | None = None) -
         sdk_metrics=bool(config.metrics.listen and config.metrics.sdk_metrics),
         forward_logs=config.logging.format == "json",
     )
-    client = await connect(config, runtime=runtime, interceptors=tracing_interceptors(config))
+    client = await wait_out_transient(
+        lambda: connect(config, runtime=runtime, interceptors=tracing_interceptors(config)),
+        "poller start",
+        lambda: False,
+    )
     metrics = WorkerMetrics()
     audit = MeteredAuditLog(config.hpc.audit, metrics)
-    chain = await wait_out_transient(lambda: open_chain(config), "poller start", lambda: False)
+    chain = await wait_out_transient(
+        lambda: asyncio.sleep(0, result=open_chain(config)), "poller start", lambda: False
+    )
     served = list(clusters) if clusters else config.served_cluster_ids()
     pollers = [_poller(client, chain, config, audit, cluster_id) for cluster_id in served]
     stop = asyncio.Event()
