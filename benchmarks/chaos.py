@@ -644,6 +644,20 @@ class ChaosRun:
                 worker.kill()
                 poller.kill()
             self.temporal.kill()
+            self.cancel_leftovers()
+
+    def cancel_leftovers(self) -> None:
+        """A run that stopped early must not leave jobs occupying the shared cluster."""
+        if not self.plan.slurm_jobs or self.plan.slurm is None:
+            return
+        from tests.slurm_cluster import slurm_command
+
+        prefix = f"vehpc-CHAOS-{self.run_id}-"
+        lines = slurm_command(self.plan.slurm, ["squeue", "-h", "-o", "%A|%j"]).splitlines()
+        ids = [line.split("|", 1)[0] for line in lines if line.partition("|")[2].startswith(prefix)]
+        if ids:
+            slurm_command(self.plan.slurm, ["scancel", *ids])
+            log(f"cancelled {len(ids)} leftover Slurm jobs")
 
     async def wait_until_done(
         self, ledger: LocalLedger, worker: Service, poller: Service, done: asyncio.Event
