@@ -102,7 +102,10 @@ def check_usage(p: Pipeline, env: dict[str, Any], job_id: str, key_path: Path) -
     slurm_id = records[-1].scheduler_job_id
     line = sc.slurm_command(env, ["sacct", "-X", "-P", "-n", "-j", slurm_id, "-o", "JobIDRaw,ElapsedRaw"])
     elapsed = next(int(x.split("|")[1]) for x in line.splitlines() if x.split("|")[0] == slurm_id)
-    assert total.wall_clock_seconds == elapsed, "the records add up to Slurm's elapsed time, exactly"
+    readings = [(r.sequence, r.job_state.value, str(r.metrics.wall_clock_seconds)) for r in records]
+    assert total.wall_clock_seconds == elapsed, (
+        f"records {readings} must add up to sacct's {elapsed} s, exactly"
+    )
     gib = Decimal(256 * 1024 * 1024) / Decimal(10**9)
     assert total.memory_gb_seconds == (gib * elapsed).quantize(Decimal("0.000001"))
 

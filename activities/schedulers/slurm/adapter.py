@@ -432,7 +432,11 @@ class SlurmAdapter(BatchSchedulerAdapter):
                 net_out = (net_out or Decimal(0)) + step_live.usage_out["ic/ofed"]
         elapsed = job.elapsed_seconds
         if elapsed is None:  # slurmrestd gives no run time: derive it from the start
-            elapsed = max(0, int((datetime.now(UTC) - (job.start_time or datetime.now(UTC))).total_seconds()))
+            # Up to the job's end when the controller already has one (COMPLETING after a cancel: the processes
+            # are still exiting, the clock stopped); for a running job end_time is its limit, in the future.
+            now = datetime.now(UTC)
+            end = min(now, job.end_time) if job.end_time is not None else now
+            elapsed = max(0, int((end - (job.start_time or end)).total_seconds()))
         metrics = _metrics(
             elapsed=Decimal(elapsed),
             alloc=job.alloc_tres,
@@ -495,9 +499,10 @@ class SlurmAdapter(BatchSchedulerAdapter):
 
     def _queue_usage(self, job_id: str, job: p.QueueJob, *, final: bool) -> Accounting:
         elapsed = job.elapsed_seconds
-        if elapsed is None and job.start_time is not None:
-            end = job.end_time or datetime.now(UTC)
-            elapsed = max(0, int((end - job.start_time).total_seconds()))
+        if elapsed is None and job.start_time is not None and job.end_time is not None:
+            elapsed = max(0, int((job.end_time - job.start_time).total_seconds()))
+        # The controller says the job ended but not when (slurmrestd right after a cancel): never extrapolate to
+        # "now", which would bill time the job did not run; the last reading stands until accounting closes it.
         cpu = sum(self._step_cpu.get(job_id, {}).values(), Decimal(0))
         metrics = _metrics(
             elapsed=Decimal(elapsed or 0),
