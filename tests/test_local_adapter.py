@@ -589,3 +589,15 @@ async def test_a_restarted_worker_finds_its_jobs(make_adapter: Callable[..., Loc
     second = make_adapter()
     assert await second.find("wf-restart") == job_id
     assert (await wait_final(second, job_id)).state == JobState.COMPLETED
+
+
+def test_supervisors_of_old_jobs_sample_less_often() -> None:
+    """At 1,000 running jobs, a /proc scan and a status write per job per second took both cores of the
+    benchmark machine (benchmarks/load.py); young jobs keep one sample a second, old ones one per 10 s."""
+    from activities.schedulers.local_supervisor import MAX_SAMPLE_INTERVAL, sample_interval
+
+    assert sample_interval(0) == sample_interval(30) == 1.0
+    assert sample_interval(60) == 2.0
+    assert sample_interval(3600) == MAX_SAMPLE_INTERVAL == 10.0
+    intervals = [sample_interval(t) for t in range(0, 1000, 7)]
+    assert intervals == sorted(intervals), "never denser as the job ages"

@@ -56,12 +56,14 @@ JOB_TMP = "tmp"
 STATUS_VERSION = 1
 FINAL_STATES = frozenset({"completed", "failed", "timeout", "cancelled"})
 
-#: Sampling schedule: a few early samples so short jobs get measured, then one per ``SAMPLE_INTERVAL``.
+#: Sampling schedule: a few early samples so short jobs get measured, then one per ``SAMPLE_INTERVAL``, spaced out
+#: to at most ``MAX_SAMPLE_INTERVAL`` as the job ages (``sample_interval``).
 EARLY_SAMPLES = (0.05, 0.2, 0.5)
 SAMPLE_INTERVAL = 1.0
+MAX_SAMPLE_INTERVAL = 10.0
 #: How often the head of the queue looks for a free slot; how often a running job's cancel file is checked.
 SLOT_POLL = 0.25
-CANCEL_POLL = 0.5
+CANCEL_POLL = 2.0
 #: How often a queued job wakes to look for a cancel file; the adapter also sends SIGTERM, which wakes it at once.
 QUEUE_RECHECK = 5.0
 #: How long to wait for killed leftovers to be reaped before giving up on them.
@@ -131,6 +133,18 @@ def is_same_process(pid: int | None, start_ticks: int | None) -> bool:
         return False
     stat = read_stat(pid)
     return stat is not None and stat.start_ticks == start_ticks
+
+
+def sample_interval(elapsed: float) -> float:
+    """Seconds until the next usage sample of a job that has run ``elapsed`` seconds.
+
+    Every sample lists ``/proc`` and rewrites ``status.json``, a cost that grows with the number of processes on
+    the host: at 1,000 running jobs, one sample a second per job took more than both cores of the benchmark
+    machine (``benchmarks/load.py``). Usage records are differences of cumulative readings and the final reading
+    is the exact ``wait4`` rusage, so sparser samples of an old job lose nothing; they only make a running
+    reading (and the memory integral) up to ``MAX_SAMPLE_INTERVAL`` older. Young jobs keep one sample a second.
+    """
+    return min(MAX_SAMPLE_INTERVAL, max(SAMPLE_INTERVAL, elapsed / 30))
 
 
 def _pids() -> set[int]:
@@ -600,7 +614,7 @@ class Supervisor:
                 kill_at = now + 1.0
             if now >= next_sample:
                 self._sample(now)
-                next_sample = schedule.pop(0) if schedule else now + SAMPLE_INTERVAL
+                next_sample = schedule.pop(0) if schedule else now + sample_interval(now - start)
 
     def clean_up(self) -> None:
         """Kill what the script left behind (as SLURM does when a batch script ends) and reap all of it."""
