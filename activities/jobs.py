@@ -28,6 +28,8 @@ from virtengine_hpc.config import Config
 from virtengine_hpc.errors import ChainError, HPCError, JobNotFound, SchedulerError, ValidationError
 from virtengine_hpc.messages import (
     CancelInput,
+    FindInput,
+    FindOutput,
     RouteOutcome,
     RouteRequest,
     SubmitInput,
@@ -213,6 +215,27 @@ class JobActivities:
                 },
             )
         return SubmitOutput(scheduler_job_id=result.scheduler_job_id, adopted=result.adopted)
+
+    @activity.defn(name="find_job")
+    async def find_job(self, request: FindInput) -> FindOutput:
+        """The scheduler job that carries the workflow id, if any: asked when every submit attempt failed
+        without the scheduler refusing the job (timeouts, lost answers), since such an attempt may well have
+        created it. The workflow adopts what this finds instead of failing a job that runs."""
+        try:
+            found = await heartbeating(self.adapter(request.cluster_id).find(request.workflow_id))
+        except HPCError as exc:
+            raise to_application_error(exc) from None
+        if found is not None:
+            self.audit.record(
+                "state_recovered",
+                job_id=request.job_id,
+                cluster_id=request.cluster_id,
+                details={
+                    "scheduler_job_id": found,
+                    "why": "every submit attempt failed without a refusal; adopted the job one of them created",
+                },
+            )
+        return FindOutput(scheduler_job_id=found)
 
     # ---- watching -----------------------------------------------------------------------------------------------
 

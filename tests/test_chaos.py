@@ -26,17 +26,18 @@ from pathlib import Path
 
 import pytest
 import yaml
+from temporalio.client import Client
 from temporalio.testing import ActivityEnvironment, WorkflowEnvironment
 
 from activities.chain.local_ledger import LocalLedger
-from activities.schedulers.base import SubmitRequest
+from activities.schedulers.base import SubmitRequest, SubmitResult
 from benchmarks.chaos import ChaosRun, LedgerLock, Plan, TemporalServer
 from tests import slurm_cluster as sc
 from tests.conftest import make_config
 from tests.memory_adapter import MemoryAdapter
-from tests.pipeline_harness import TENANT, setup_ledger
+from tests.pipeline_harness import TENANT, running_pipeline, setup_ledger
 from virtengine_hpc.config import Secrets
-from virtengine_hpc.errors import ChainUnavailable
+from virtengine_hpc.errors import ChainUnavailable, SchedulerUnavailable
 from virtengine_hpc.messages import UsageInput
 from virtengine_hpc.models import JobSpec, UsageMetrics
 from virtengine_hpc.signing import Signer
@@ -205,6 +206,39 @@ async def test_a_worker_started_while_temporal_is_down_waits_for_it(tmp_path: Pa
         worker.terminate()
         worker.wait(timeout=30)
         server.kill()
+
+
+class AnswersLost(MemoryAdapter):
+    """The scheduler takes the job but no attempt ever hears back: what an overloaded server's lost heartbeats
+    (submit timed out four times) looked like in the load benchmark."""
+
+    async def submit(self, request: SubmitRequest) -> SubmitResult:
+        await super().submit(request)
+        raise SchedulerUnavailable("the answer was lost")
+
+
+async def test_a_job_whose_submit_answers_were_all_lost_is_adopted_not_failed(
+    client: Client, tmp_path: Path, key_path: Path, task_queue: str
+) -> None:
+    """The load benchmark found jobs failed on chain ("submission failed: activity Heartbeat timeout") while
+    they ran on the executor: every submit attempt had created or adopted the job, none was heard. The workflow
+    now looks the job up before failing it, and adopts it."""
+    adapter = AnswersLost()
+    config = make_config(tmp_path, hpc={"retry": {"max_retries": 2, "initial_backoff": "100ms"}})
+    async with running_pipeline(client, config, key_path, adapter, task_queue) as pipe:
+        lost = pipe.submit(name="lost")
+        rejected = pipe.submit(name="rejected")
+        adapter.reject[rejected] = "invalid account"
+        results = await pipe.run_until_done([lost, rejected], timeout=60)
+    assert results[lost].state == JobState.COMPLETED, results[lost].message
+    assert len(adapter.jobs) == 1, "one scheduler job"
+    assert adapter.submits == 3 + 1, "three attempts for the lost one, one for the refused one"
+    recovered = pipe.audit_events("state_recovered", lost)
+    assert recovered and "every submit attempt failed" in recovered[-1]["details"]["why"]
+    assert pipe.ledger.usage_records(lost), "it was watched and billed"
+    # A refusal creates nothing: no lookup, the job fails with the scheduler's reason.
+    assert results[rejected].state == JobState.FAILED and "invalid account" in results[rejected].message
+    assert not pipe.audit_events("state_recovered", rejected)
 
 
 async def test_a_usage_report_heartbeats_while_the_ledger_is_busy(tmp_path: Path, key_path: Path) -> None:

@@ -160,6 +160,18 @@ class SubmitOutput(Model):
     adopted: bool = False
 
 
+class FindInput(Model):
+    """Look for the scheduler job of a workflow whose submission attempts all failed without a refusal."""
+
+    workflow_id: str
+    job_id: str
+    cluster_id: str
+
+
+class FindOutput(Model):
+    scheduler_job_id: str | None = None
+
+
 class WatchInput(Model):
     job_id: str
     cluster_id: str

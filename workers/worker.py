@@ -56,6 +56,7 @@ def job_activities(acts: JobActivities) -> list[Callable[..., Any]]:
     return [
         acts.route_job,
         acts.submit_job,
+        acts.find_job,
         acts.watch_job,
         acts.cancel_job,
         acts.report_transition,

@@ -24,6 +24,8 @@ with workflow.unsafe.imports_passed_through():
         CancelInput,
         CancelRequest,
         Carried,
+        FindInput,
+        FindOutput,
         JobResult,
         JobStatusView,
         JobWorkflowInput,
@@ -52,6 +54,9 @@ PATCH_USAGE_IN_WATCH = "usage-report-in-watch"
 SHORT_HEARTBEAT = timedelta(seconds=10)
 PATCH_MULTI_CLUSTER = "multi-cluster-task-queues"
 """Since 0.2: a job routed to another cluster runs its scheduler activities on that cluster's task queue."""
+PATCH_RECOVER_SUBMISSION = "recover-failed-submission"
+"""A job whose submit attempts all failed without a refusal is looked up before it is failed, and adopted if one
+of the attempts created it (the load benchmark found jobs failed on chain while they ran)."""
 _NON_RETRYABLE = [
     "ValidationError",
     "ConfigError",
@@ -183,13 +188,42 @@ class HPCJobWorkflow:
                 result_type=SubmitOutput,
             )
         except ActivityError as err:
-            await self._finish(JobState.FAILED, f"submission failed: {_cause(err)}")
-            return
+            recovered = await self._recover_submission(err)
+            if recovered is None:
+                await self._finish(JobState.FAILED, f"submission failed: {_cause(err)}")
+                return
+            submitted = recovered
         self.c = self.c.model_copy(
             update={"scheduler_job_id": submitted.scheduler_job_id, "submitted_at": workflow.now()}
         )
         workflow.upsert_search_attributes([SA_SCHEDULER_JOB.value_set(submitted.scheduler_job_id)])
         await self._transition(JobState.QUEUED, LifecycleEvent.SUBMITTED, "accepted by the scheduler")
+
+    async def _recover_submission(self, err: ActivityError) -> SubmitOutput | None:
+        """The scheduler job one of the failed submit attempts created, if any.
+
+        An attempt that timed out (its heartbeats lost by an overloaded server) or whose answer was lost may have
+        created the job; failing the job then leaves it running on the cluster, unwatched and unbilled, while
+        the chain refunds the tenant. Unless the scheduler refused the job outright (a definitive, non-retryable
+        error: nothing was created), look it up, retrying for as long as the scheduler cannot answer, and adopt
+        what carries this workflow's id.
+        """
+        if _refused(err) or not workflow.patched(PATCH_RECOVER_SUBMISSION):
+            return None
+        found: FindOutput = await workflow.execute_activity(
+            "find_job",
+            FindInput(
+                workflow_id=workflow.info().workflow_id, job_id=self.job.job_id, cluster_id=self.c.cluster_id
+            ),
+            task_queue=self.c.task_queue,
+            start_to_close_timeout=timedelta(seconds=300),
+            heartbeat_timeout=SHORT_HEARTBEAT,
+            retry_policy=self._retry(unlimited=True),
+            result_type=FindOutput,
+        )
+        if found.scheduler_job_id is None:
+            return None
+        return SubmitOutput(scheduler_job_id=found.scheduler_job_id, adopted=True)
 
     def _follow_cluster(self) -> None:
         """Routing moved the job to another cluster: send its scheduler activities (submit, watch, cancel, usage)
@@ -457,6 +491,15 @@ class HPCJobWorkflow:
             maximum_attempts=0 if unlimited else r.max_retries + 1,
             non_retryable_error_types=_NON_RETRYABLE,
         )
+
+
+def _refused(err: ActivityError) -> bool:
+    """True when the activity failed with a non-retryable domain error (the scheduler refused the job, bad
+    input): then no attempt can have created a job."""
+    cause = err.cause
+    while isinstance(cause, ActivityError) and cause.cause is not None:
+        cause = cause.cause
+    return isinstance(cause, ApplicationError) and cause.non_retryable and cause.type in _NON_RETRYABLE
 
 
 def _cause(err: ActivityError) -> str:
