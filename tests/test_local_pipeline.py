@@ -30,7 +30,7 @@ async def pipe(client: Client, tmp_path: Path, key_path: Path, task_queue: str) 
         tmp_path,
         hpc={
             "cluster_id": f"c-{uuid.uuid4().hex[:8]}",
-            "local": {"max_walltime": "5s", "kill_wait": "1s", "job_poll_interval": "200ms"},
+            "local": {"max_walltime": "10s", "kill_wait": "1s", "job_poll_interval": "200ms"},
         },
     )
     adapter = LocalAdapter.from_config(config, Secrets(), config.hpc.cluster_id)

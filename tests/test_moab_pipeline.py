@@ -22,7 +22,9 @@ from virtengine_hpc.usage import verify_record
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[ms.MoabCluster]:
-    with ms.moab_cluster(walltime_cap=4.0, max_nodes=2) as c:
+    # Every job's walltime is capped at 10 s: long enough that the cancelled job is cancelled (poller, signal,
+    # workflow, mjobctl over SSH) before its cap even on a loaded machine; the walltime job still times out.
+    with ms.moab_cluster(walltime_cap=10.0, max_nodes=2) as c:
         yield c
 
 
