@@ -54,10 +54,12 @@ HOSTILE_FILES = {
 def test_a_hostile_file_is_refused_quickly_with_a_config_error(tmp_path: Path, name: str) -> None:
     path = tmp_path / "config.yaml"
     path.write_text(HOSTILE_FILES[name], encoding="utf-8", errors="surrogatepass")
+    # A guard against hangs and blow-ups (the biggest file takes ~3-5 s here), not a speed test: generous enough
+    # for a loaded 2-core CI machine.
     started = time.monotonic()
     with pytest.raises(ConfigError) as info:
         load_config(path, env={})
-    assert time.monotonic() - started < 10, f"{name}: the loader took too long"
+    assert time.monotonic() - started < 60, f"{name}: the loader took too long"
     assert len(str(info.value)) < 2000, "the message names the problem; it does not echo the document"
     assert not Path("/tmp/vehpc-pwned-config").exists()
 
@@ -69,7 +71,7 @@ def test_the_node_agent_config_loader_refuses_them_too(tmp_path: Path, name: str
     started = time.monotonic()
     with pytest.raises(ConfigError) as info:
         load_agent_config(path, env={})
-    assert time.monotonic() - started < 10
+    assert time.monotonic() - started < 60
     assert len(str(info.value)) < 2000
 
 
@@ -77,7 +79,7 @@ def test_a_node_agent_latency_target_bomb_is_refused() -> None:
     started = time.monotonic()
     with pytest.raises(ConfigError):
         load_agent_config(env={"VE_NODE_LATENCY_TARGETS": "[" * 50_000 + "]" * 50_000})
-    assert time.monotonic() - started < 10
+    assert time.monotonic() - started < 60
 
 
 @pytest.mark.parametrize("name", ["alias bomb", "deep list", "huge integer", "huge duration"])
@@ -88,7 +90,7 @@ def test_the_same_payloads_through_environment_overrides(name: str) -> None:
     started = time.monotonic()
     with pytest.raises(ConfigError):
         load_config(data={}, env={"VIRTENGINE_HPC__HPC__JOB_SERVICE__JOB_POLL_INTERVAL": payload})
-    assert time.monotonic() - started < 10
+    assert time.monotonic() - started < 60
 
 
 def test_aliases_that_stay_small_are_still_allowed(tmp_path: Path) -> None:
