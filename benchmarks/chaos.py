@@ -752,9 +752,11 @@ class ChaosRun:
     ) -> dict[str, Any]:
         chain = ledger.job(job.job_id)
         assert chain is not None
-        ran = any(t.to_state.value in ("running", "starting") for t in ledger.history(job.job_id))
         records = ledger.usage_records(job.job_id)
         runs = self.executions(job)
+        # A job that started and failed between two polls goes queued -> failed on chain, yet it ran (and is
+        # billed for its seconds): its own executions count as evidence too.
+        ran = runs > 0 or any(t.to_state.value in ("running", "starting") for t in ledger.history(job.job_id))
         scheduler_ids = await self.scheduler_jobs(job, chain.scheduler_job_id)
         row = {
             "job": job.job_id.rsplit("-", 2)[-2],
