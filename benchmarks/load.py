@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import random
 import signal
 import socket
 import sqlite3
@@ -120,15 +121,18 @@ def job_processes(state_dir: Path) -> dict[int, psutil.Process]:
     return found
 
 
-def proportional_memory(processes: dict[int, psutil.Process]) -> int:
-    """Sum of PSS: shared pages (the interpreter, libc) counted once across the processes, not once each."""
-    total = 0
-    for proc in processes.values():
+def proportional_memory(processes: dict[int, psutil.Process], sample: int = 150) -> int:
+    """Sum of PSS (shared pages such as the interpreter's counted once across the processes, not once each),
+    extrapolated from ``sample`` of them: reading every process's smaps at 3,000 processes took minutes."""
+    chosen = random.Random(0).sample(sorted(processes), min(sample, len(processes)))
+    total, read = 0, 0
+    for pid in chosen:
         try:
-            total += proc.memory_full_info().pss
+            total += processes[pid].memory_full_info().pss
+            read += 1
         except psutil.Error:
             continue
-    return total
+    return total * len(processes) // max(1, read)
 
 
 def sample(
