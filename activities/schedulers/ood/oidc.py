@@ -105,7 +105,8 @@ class OIDCClient:
             url = found
         jwks = await self._get_json(url, "JWKS")
         keys: dict[str, Any] = {}
-        for entry in jwks.get("keys") or []:
+        entries = jwks.get("keys")
+        for entry in entries if isinstance(entries, list) else []:
             if not isinstance(entry, dict) or entry.get("use", "sig") != "sig":
                 continue
             try:
@@ -140,6 +141,8 @@ class OIDCClient:
         try:
             body = response.json()
         except ValueError:
+            body = {}
+        if not isinstance(body, dict):  # a list or a string where the token response belongs
             body = {}
         if response.status_code != 200 or not isinstance(body.get("access_token"), str):
             error = body.get("error", "") if isinstance(body, dict) else ""
