@@ -1,5 +1,3 @@
-import sys
+from virtengine_hpc.cli import entry
 
-from virtengine_hpc.cli import main
-
-sys.exit(main())
+entry()

@@ -564,4 +564,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from virtengine_hpc.cli.common import exit_process
+
+    exit_process(main)

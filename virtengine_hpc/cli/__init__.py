@@ -9,10 +9,9 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import sys
 from collections.abc import Sequence
 
-from virtengine_hpc.cli.common import run
+from virtengine_hpc.cli.common import exit_process, run
 
 # Areas in the order ``--help`` lists them. A module that is missing (an optional area) is skipped.
 AREAS = ("worker", "jobs", "ledger", "usage", "audit", "templates", "nodes", "status", "dev")
@@ -42,5 +41,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     return run(build_parser(), argv)
 
 
+def entry() -> None:
+    """The ``virtengine-hpc`` console script and ``python -m virtengine_hpc``: ``main`` without interpreter teardown
+    (see ``exit_process``)."""
+    exit_process(main)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

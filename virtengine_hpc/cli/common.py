@@ -4,11 +4,14 @@ printing JSON."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import logging
 import os
 import sys
-from collections.abc import Sequence
-from typing import Any
+import traceback
+from collections.abc import Callable, Sequence
+from typing import Any, NoReturn
 
 from pydantic import BaseModel
 
@@ -44,3 +47,33 @@ def run(parser: argparse.ArgumentParser, argv: Sequence[str] | None = None) -> i
         return 2
     except KeyboardInterrupt:
         return 130
+
+
+def exit_process(main: Callable[[], int | None]) -> NoReturn:
+    """Run a command's ``main`` and leave the process without interpreter teardown.
+
+    A process that has used a Temporal client or worker holds the SDK's Rust runtime threads; when CPython finalises
+    while one of them still calls back into Python, the process aborts with "Fatal Python error: PyGILState_Release"
+    (temporalio/sdk-python#300) - after the command has printed its result, turning a success into exit 134. So once
+    ``main`` returns, the output streams and log handlers are flushed and the process ends with ``os._exit`` and the
+    command's own exit code. Nothing of ours relies on ``atexit``.
+    """
+    try:
+        code: int = int(main() or 0)
+    except SystemExit as exc:  # argparse (--help, a usage error) and sys.exit inside a command
+        if exc.code is None or isinstance(exc.code, int):
+            code = exc.code or 0
+        else:
+            print(exc.code, file=sys.stderr)
+            code = 1
+    except KeyboardInterrupt:
+        code = 130
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        # A closed pipe (``| head``) or a closed stream: nothing more to say.
+        with contextlib.suppress(OSError, ValueError):
+            stream.flush()
+    os._exit(code)
