@@ -134,12 +134,16 @@ class JobActivities:
                 )
             cluster = await self.chain.get_cluster(routed.cluster_id)
             partition = job.partition
+            if partition is None:
+                # A job that names no partition runs in the one its offering is priced for, never in whichever
+                # partition happens to be the cluster's first: it is billed at that offering's rates.
+                queue = await self.chain.get_queue(job.offering_id)
+                if queue is not None:
+                    partition = queue.partition
             if cluster is not None and cluster.partitions:
-                part = cluster.partition(job.partition)
+                part = cluster.partition(partition)
                 if part is None:
-                    raise ValidationError(
-                        f"partition {job.partition!r} does not exist on {cluster.cluster_id}"
-                    )
+                    raise ValidationError(f"partition {partition!r} does not exist on {cluster.cluster_id}")
                 partition = part.name
                 _check_bounds(job, part.max_nodes, part.max_runtime_seconds)
             body = await self.resolve_body(job, adapter)

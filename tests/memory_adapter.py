@@ -51,6 +51,7 @@ class MemoryAdapter(SchedulerAdapter):
     cancels: list[str] = field(default_factory=list)
     crash_after_submit: set[str] = field(default_factory=set)
     submit_delay: float = 0.0
+    partitions: dict[str, str | None] = field(default_factory=dict)  # workflow id -> partition it was sent to
 
     async def submit(self, request: SubmitRequest) -> SubmitResult:
         self.submits += 1
@@ -66,6 +67,7 @@ class MemoryAdapter(SchedulerAdapter):
         job_id = str(1000 + len(self.jobs))
         script = self.scripts.get(request.workflow_id, self.default)
         self.jobs[job_id] = _Job(request.workflow_id, time.monotonic(), script)
+        self.partitions[request.workflow_id] = request.partition
         if request.workflow_id in self.crash_after_submit:
             self.crash_after_submit.discard(request.workflow_id)
             raise SchedulerUnavailable("connection lost after the scheduler accepted the job")

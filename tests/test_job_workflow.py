@@ -20,6 +20,7 @@ from tests.conftest import make_config
 from tests.memory_adapter import MemoryAdapter, Script
 from tests.pipeline_harness import TENANT, Pipeline, running_pipeline
 from virtengine_hpc.messages import CancelRequest, JobStatusView
+from virtengine_hpc.models import PricedQueue, Pricing
 from virtengine_hpc.signing import Signer
 from virtengine_hpc.states import JobState
 from virtengine_hpc.usage import sum_metrics, verify_record
@@ -195,6 +196,25 @@ async def test_partition_bounds_are_checked_before_submission(pipe: Pipeline) ->
     assert "allows 2" in results[too_many].message
     assert "does not exist" in results[no_such].message
     assert adapter(pipe).submits == 0
+
+
+async def test_a_job_without_a_partition_runs_in_its_offerings_partition(pipe: Pipeline) -> None:
+    # The cluster lists debug first; an offering priced for "long" must not have its jobs run (and billed) there.
+    pipe.ledger.add_queue(
+        PricedQueue(
+            offering_id="offering-long",
+            cluster_id=pipe.cluster_id,
+            partition="long",
+            pricing=Pricing(node_hour=Decimal("50"), minimum_charge=Decimal("0.01")),
+            max_duration_seconds=7 * 86400,
+        )
+    )
+    on_long = pipe.submit(offering_id="offering-long")
+    on_default = pipe.submit()
+    results = await pipe.run_until_done([on_long, on_default])
+    assert results[on_long].state == C and results[on_default].state == C
+    assert adapter(pipe).partitions[on_long] == "long"
+    assert adapter(pipe).partitions[on_default] == "debug"
 
 
 async def test_scheduler_outage_is_not_a_state_change(pipe: Pipeline) -> None:
