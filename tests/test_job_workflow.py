@@ -24,6 +24,8 @@ from virtengine_hpc.models import PricedQueue, Pricing
 from virtengine_hpc.signing import Signer
 from virtengine_hpc.states import JobState
 from virtengine_hpc.usage import sum_metrics, verify_record
+from workers.poller import ChainPoller
+from workers.wiring import job_settings
 
 Q, R, C, F = JobState.QUEUED, JobState.RUNNING, JobState.COMPLETED, JobState.FAILED
 
@@ -256,6 +258,42 @@ async def test_queue_full_waits_and_never_drops(
         results = await p.run_until_done(job_ids)
         assert {r.state for r in results.values()} == {C}
         assert len(scheduler.jobs) == 5
+
+
+async def test_switched_off_takes_no_new_jobs_but_running_ones_finish_and_cancels_flow(
+    client: Client, tmp_path: Path, key_path: Path, task_queue: str
+) -> None:
+    config = make_config(tmp_path, hpc={"cluster_id": f"c-{uuid.uuid4().hex[:8]}"})
+    scheduler = MemoryAdapter(default=Script([(0, Q), (0.2, R), (2.0, C)], exit_code=0))
+    async with running_pipeline(client, config, key_path, scheduler, task_queue) as p:
+        running = [p.submit(), p.submit()]
+        scheduler.scripts[running[1]] = Script([(0, Q), (0.2, R), (600, C)])  # runs until cancelled
+        assert len((await p.poller.poll_once()).started) == 2
+        for _ in range(300):
+            if p.ledger.job(running[1]).state == R:  # type: ignore[union-attr]
+                break
+            await asyncio.sleep(0.1)
+
+        off = config.model_copy(update={"hpc": config.hpc.model_copy(update={"enabled": False})})
+        poller = ChainPoller(
+            client, p.ledger, off, p.deps.audit, task_queue=task_queue, settings=job_settings(off)
+        )
+        waiting = p.submit()
+        p.ledger.request_cancel(running[1])
+        stats = await poller.poll_once()
+        assert stats.started == [] and stats.paused == 1
+        assert stats.cancelled == [running[1]]
+
+        p.poller = poller  # from here on only the switched-off poller runs
+        results = await p.run_until_done(running)
+        assert results[running[0]].state == C
+        assert results[running[1]].state == JobState.CANCELLED
+        assert (await poller.poll_once()).paused == 1
+        assert p.ledger.job(waiting).state == JobState.PENDING  # type: ignore[union-attr]
+        assert waiting not in {job.workflow_id for job in scheduler.jobs.values()}
+        assert len(scheduler.jobs) == 2 and scheduler.cancels, (
+            "the running job was cancelled in the scheduler"
+        )
 
 
 async def test_job_that_never_starts_times_out_after_job_timeout_default(

@@ -433,7 +433,8 @@ class HPCConfig(Section):
 
     enabled: bool = Field(
         True,
-        description="Kept so the seed's configuration files load; running a worker is what turns the HPC integration on.",
+        description="false: the poller takes no new jobs from the chain (they stay pending for another provider "
+        "host or until it is switched back on); running jobs go on and tenant cancellations are still forwarded.",
     )
     scheduler_type: SchedulerType = Field(
         "local",

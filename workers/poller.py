@@ -41,6 +41,7 @@ class PollStats:
     rejected: list[str] = field(default_factory=list)
     waiting: int = 0
     cancelled: list[str] = field(default_factory=list)
+    paused: int = 0  # pending jobs left on chain because hpc.enabled is false
 
 
 class ChainPoller:
@@ -67,6 +68,12 @@ class ChainPoller:
 
     async def run(self, stop: asyncio.Event) -> None:
         interval = self.config.hpc.job_service.job_poll_interval.total_seconds()
+        if not self.config.hpc.enabled:
+            log.warning(
+                "hpc.enabled is false: no new jobs are taken; running jobs go on and tenant cancellations "
+                "are still forwarded",
+                extra={"cluster_id": self.cluster_id},
+            )
         while not stop.is_set():
             try:
                 await self.poll_once()
@@ -90,6 +97,12 @@ class ChainPoller:
     async def poll_once(self) -> PollStats:
         stats = PollStats()
         await self._forward_cancellations(stats)
+        if not self.config.hpc.enabled:
+            # Switched off: what runs finishes (its workflow needs nothing from here); nothing new starts.
+            running = await self.running_ids()
+            pending_jobs = await self.chain.pending_jobs(self.cluster_id, self.provider, limit=1000)
+            stats.paused = sum(1 for job in pending_jobs if job.job_id not in running)
+            return stats
         limit = self.config.hpc.job_service.max_concurrent_jobs
         running = await self.running_ids()
         free = limit - len(running)
