@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import statistics
 import sys
 import tempfile
@@ -93,6 +94,38 @@ async def run_bare(client: Client, n: int, steps: int, queue: str) -> float:
     return time.monotonic() - start
 
 
+def _children_named(name: str) -> list[int]:
+    """Pids of this process's children called ``name`` (the dev server that ``start_local`` spawned)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        comm = stat[stat.index("(") + 1 : stat.rindex(")")]
+        ppid = int(stat[stat.rindex(")") + 2 :].split()[1])
+        if comm == name and ppid == os.getpid():
+            pids.append(int(entry.name))
+    return pids
+
+
+def _cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+class CpuMeter:
+    """CPU seconds spent by this process (worker + client) and by the dev server, per measured phase."""
+
+    def __init__(self) -> None:
+        self.server = _children_named("temporal")
+
+    def read(self) -> tuple[float, float]:
+        return time.process_time(), sum(_cpu_seconds(pid) for pid in self.server)
+
+
 async def history_events(client: Client, workflow_id: str) -> tuple[int, int]:
     history = await client.get_workflow_handle(workflow_id).fetch_history()
     activities = sum(1 for e in history.events if e.HasField("activity_task_scheduled_event_attributes"))
@@ -158,13 +191,21 @@ async def main(n: int, rounds: int, scheduler: str) -> None:
                 await run_bare(env.client, 5, steps, bare_queue)
 
                 pipe_rates, bare_rates = [], []
+                meter = CpuMeter()
+                cpu = {"pipeline": [0.0, 0.0], "bare": [0.0, 0.0]}  # [this process, dev server] seconds
                 for r in range(rounds):
                     ids = [f"JOB-b{r}-{i}-{uuid.uuid4().hex[:6]}" for i in range(n)]
                     for job_id in ids:
                         ledger.submit_job(_raw(config, job_id))
                         ledger.create_decision(job_id, "bench-cluster")
+                    before = meter.read()
                     pipe_rates.append(n / await run_pipeline(env.client, config, key, ids, pipe_queue))
+                    middle = meter.read()
                     bare_rates.append(n / await run_bare(env.client, n, steps, bare_queue))
+                    after = meter.read()
+                    for kind, (a, b) in (("pipeline", (before, middle)), ("bare", (middle, after))):
+                        cpu[kind][0] += b[0] - a[0]
+                        cpu[kind][1] += b[1] - a[1]
                     print(
                         f"round {r + 1}: pipeline {pipe_rates[-1]:.1f} jobs/s, bare {bare_rates[-1]:.1f} wf/s"
                     )
@@ -180,6 +221,12 @@ async def main(n: int, rounds: int, scheduler: str) -> None:
     print(f"bare workflow throughput  {bare:.1f} wf/s")
     print(f"ratio pipeline / bare     {pipe / bare:.2f}   (target >= 0.8)")
     print(f"history events per job    {sample_events} (warm-up job: {events})")
+    jobs = n * rounds
+    for kind in ("pipeline", "bare"):
+        worker_ms, server_ms = (1000 * seconds / jobs for seconds in cpu[kind])
+        print(
+            f"CPU per {kind + ' job':13s}  worker+client {worker_ms:5.1f} ms, Temporal server {server_ms:5.1f} ms"
+        )
 
 
 def _raw(config: Config, job_id: str) -> dict[str, object]:
