@@ -333,6 +333,46 @@ def test_cross_field_rules() -> None:
     assert "nodes.offline_after must be longer than nodes.stale_after" in message
 
 
+def test_node_api_tls_keys() -> None:
+    assert load().nodes.tls == "off", "plain HTTP by default"
+    served = load({"nodes": {"tls_cert_file": "/etc/hpc/api.pem", "tls_key_file": "/etc/hpc/api.key"}}).nodes
+    assert served.tls == "tls" and served.tls_cert_file == Path("/etc/hpc/api.pem")
+    mutual = load(
+        {"nodes": {"tls_cert_file": "/c.pem", "tls_key_file": "/k.pem", "tls_client_ca_file": "/ca.pem"}}
+    ).nodes
+    assert mutual.tls == "mutual" and mutual.tls_client_ca_file == Path("/ca.pem")
+    # From the environment too, like every key; the key's path is not a credential.
+    env = load(
+        VIRTENGINE_HPC__NODES__TLS_CERT_FILE="/c.pem", VIRTENGINE_HPC__NODES__TLS_KEY_FILE="/k.pem"
+    ).nodes
+    assert env.tls == "tls" and env.tls_key_file == Path("/k.pem")
+
+
+@pytest.mark.parametrize(
+    ("nodes", "message"),
+    [
+        ({"tls_cert_file": "/c.pem"}, "nodes.tls_cert_file and nodes.tls_key_file go together"),
+        ({"tls_key_file": "/k.pem"}, "nodes.tls_cert_file and nodes.tls_key_file go together"),
+        (
+            {"tls_client_ca_file": "/ca.pem"},
+            "nodes.tls_client_ca_file (mutual TLS) needs nodes.tls_cert_file and nodes.tls_key_file",
+        ),
+        (
+            {"tls_client_ca_file": "/ca.pem", "tls_cert_file": "/c.pem"},
+            "nodes.tls_cert_file and nodes.tls_key_file go together",
+        ),
+        (
+            {"tls_cert_file": ["/c.pem"], "tls_key_file": "/k.pem"},
+            "nodes.tls_cert_file: Input is not a valid path",
+        ),
+    ],
+)
+def test_node_api_tls_key_errors(nodes: dict[str, Any], message: str) -> None:
+    error = error_of({"nodes": nodes})
+    assert error.startswith("invalid configuration: nodes")
+    assert message in error
+
+
 # ---- the file ------------------------------------------------------------------------------------------------
 
 

@@ -692,12 +692,46 @@ class NodesConfig(Section):
         description="Repeated identical rejections (same node, same reason) are audited once per window.",
     )
     max_body_bytes: int = Field(65536, ge=1024, le=16 * 1024 * 1024, description="Largest accepted request.")
+    tls_cert_file: Path | None = Field(
+        None,
+        description="Server certificate (PEM, any intermediates after it): the node API serves HTTPS. Needs "
+        "tls_key_file; unset: plain HTTP. Both files are read when the API starts.",
+    )
+    tls_key_file: Path | None = Field(
+        None,
+        description="Private key (PEM, unencrypted) of tls_cert_file; refused if others (world) can read it.",
+    )
+    tls_client_ca_file: Path | None = Field(
+        None,
+        description="CA bundle (PEM): when set, every client must present a certificate signed by it (mutual "
+        "TLS). Needs tls_cert_file and tls_key_file.",
+    )
 
     @model_validator(mode="after")
     def _offline_after_stale(self) -> NodesConfig:
         if self.offline_after <= self.stale_after:
             raise ValueError("nodes.offline_after must be longer than nodes.stale_after")
         return self
+
+    @model_validator(mode="after")
+    def _tls_files(self) -> NodesConfig:
+        if (self.tls_cert_file is None) != (self.tls_key_file is None):
+            raise ValueError(
+                "nodes.tls_cert_file and nodes.tls_key_file go together (HTTPS needs the certificate and its key)"
+            )
+        if self.tls_client_ca_file is not None and self.tls_cert_file is None:
+            raise ValueError(
+                "nodes.tls_client_ca_file (mutual TLS) needs nodes.tls_cert_file and nodes.tls_key_file: "
+                "the node API must serve HTTPS to ask for client certificates"
+            )
+        return self
+
+    @property
+    def tls(self) -> Literal["off", "tls", "mutual"]:
+        """``off`` (plain HTTP), ``tls`` (HTTPS) or ``mutual`` (HTTPS, client certificates required)."""
+        if self.tls_cert_file is None:
+            return "off"
+        return "mutual" if self.tls_client_ca_file is not None else "tls"
 
 
 class Config(Section):

@@ -18,7 +18,8 @@ be reached; the sequence stays consumed and the agent's next one is larger). Ide
 same reason) are audited once per ``nodes.audit_rate_window`` with a count of the suppressed ones, so a flood
 of forged requests cannot turn the audit log's fsync into a denial of service.
 
-Run it with ``virtengine-hpc nodes serve`` or ``python -m workers.node_api`` (127.0.0.1:8081 by default).
+Run it with ``virtengine-hpc nodes serve`` or ``python -m workers.node_api`` (127.0.0.1:8081 by default; HTTPS
+with ``nodes.tls_cert_file``/``tls_key_file``, mutual TLS with ``nodes.tls_client_ca_file``).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import argparse
 import asyncio
 import logging
 import os
+import ssl
 import sys
 import time
 from collections import OrderedDict
@@ -523,22 +525,68 @@ def _with_probes(config: Config, api: NodeAPI, client: Client) -> FastAPI:
     return app
 
 
+def server_tls(nodes: NodesConfig) -> dict[str, Any]:
+    """uvicorn's TLS arguments from ``nodes.tls_*`` (none: plain HTTP).
+
+    The files are loaded here first, into the same kind of context uvicorn builds, so that a missing,
+    unreadable or mismatched file stops the process with a ``ConfigError`` naming the key before it connects
+    to Temporal, instead of a traceback from inside the server. With ``tls_client_ca_file`` every client must
+    present a certificate signed by that CA (mutual TLS).
+    """
+    if nodes.tls_cert_file is None or nodes.tls_key_file is None:
+        return {}
+    from virtengine_hpc.tls import server_context
+
+    server_context(
+        nodes.tls_cert_file,
+        nodes.tls_key_file,
+        nodes.tls_client_ca_file,
+        labels=("nodes.tls_cert_file", "nodes.tls_key_file", "nodes.tls_client_ca_file"),
+    )
+    options: dict[str, Any] = {
+        "ssl_certfile": str(nodes.tls_cert_file),
+        "ssl_keyfile": str(nodes.tls_key_file),
+    }
+    if nodes.tls_client_ca_file is not None:
+        options["ssl_ca_certs"] = str(nodes.tls_client_ca_file)
+        options["ssl_cert_reqs"] = ssl.CERT_REQUIRED
+    return options
+
+
 async def serve(config: Config, *, host: str | None = None, port: int | None = None) -> None:
     import uvicorn
 
     from workers.wiring import connect
 
+    tls = server_tls(config.nodes)
     client = await connect(config)
     api = build_api(config, client)
     host = host or config.nodes.listen_host
     port = port or config.nodes.listen_port
     server = uvicorn.Server(
         uvicorn.Config(
-            _with_probes(config, api, client), host=host, port=port, log_level="warning", access_log=False
+            _with_probes(config, api, client),
+            host=host,
+            port=port,
+            log_level="warning",
+            access_log=False,
+            **tls,
         )
     )
-    api.audit.record("service_started", details={"service": "node_api", "listen": f"{host}:{port}"})
-    log.info("node API listening on http://%s:%s", host, port)
+    mode = config.nodes.tls
+    url = f"{'https' if tls else 'http'}://{host}:{port}"
+    api.audit.record(
+        "service_started",
+        details={"service": "node_api", "listen": f"{host}:{port}", "url": url, "tls": mode},
+    )
+    if mode == "mutual":
+        log.info(
+            "node API listening on %s (mutual TLS: clients need a certificate from %s)",
+            url,
+            config.nodes.tls_client_ca_file,
+        )
+    else:
+        log.info("node API listening on %s", url)
     try:
         await server.serve()
     finally:
