@@ -95,6 +95,19 @@ def test_environment_overrides_the_file_and_flags_override_both(tmp_path: Path) 
         ("rack: '../../etc'\n", {}, "rack: String should match"),
         ("", {"VE_NODE_HEARTBEAT": "5s"}, "VE_NODE_HEARTBEAT: unknown setting"),
         ("- a\n", {}, "the top level must be a mapping"),
+        ("client-cert-file: /c.pem\n", {}, "client-cert-file and client-key-file go together"),
+        ("", {"VE_NODE_CLIENT_KEY_FILE": "/k.pem"}, "client-cert-file and client-key-file go together"),
+        (
+            "provider-daemon-url: http://p:8081\nca-file: /ca.pem\n",
+            {},
+            "ca-file needs an https:// provider-daemon-url (it is http://",
+        ),
+        (
+            "provider-daemon-url: http://p:8081\nclient-cert-file: /c.pem\nclient-key-file: /k.pem\nca-file: /ca.pem\n",
+            {},
+            "ca-file and client-cert-file need an https:// provider-daemon-url",
+        ),
+        ("", {"VE_NODE_CA_FILES": "/ca.pem"}, "VE_NODE_CA_FILES: unknown setting"),
     ],
 )
 def test_config_errors_name_the_key(tmp_path: Path, data: str, env: dict[str, str], message: str) -> None:
@@ -103,6 +116,23 @@ def test_config_errors_name_the_key(tmp_path: Path, data: str, env: dict[str, st
     with pytest.raises(ConfigError) as err:
         load_agent_config(path, env=env)
     assert message in str(err.value)
+
+
+def test_tls_keys_from_the_file_and_the_environment(tmp_path: Path) -> None:
+    path = tmp_path / "agent.yaml"
+    path.write_text(SEED_CONFIG.replace("http://provider-daemon:8081", "https://provider-daemon:8081"))
+    plain = load_agent_config(path, env={})
+    assert plain.uses_tls and plain.ca_file is None and plain.client_cert_file is None
+    path.write_text(path.read_text() + "ca-file: /etc/virtengine/node-api-ca.pem\n")
+    env = {
+        "VE_NODE_CLIENT_CERT_FILE": "/etc/virtengine/node.pem",
+        "VE_NODE_CLIENT_KEY_FILE": "/etc/virtengine/node.key",
+    }
+    config = load_agent_config(path, env=env)
+    assert config.ca_file == Path("/etc/virtengine/node-api-ca.pem")
+    assert config.client_cert_file == Path("/etc/virtengine/node.pem")
+    assert config.client_key_file == Path("/etc/virtengine/node.key")
+    assert not load_agent_config(env={"VE_NODE_PROVIDER_DAEMON_URL": "http://x:8081"}).uses_tls
 
 
 def test_missing_identity_is_reported_with_where_to_set_it() -> None:

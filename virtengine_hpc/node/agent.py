@@ -15,6 +15,7 @@ import json
 import logging
 import os
 import socket
+import ssl
 import time
 from datetime import UTC, datetime
 from typing import Any
@@ -61,6 +62,67 @@ class ProviderRefused(HPCError):
         self.last_sequence = last_sequence
 
 
+def tls_verify(config: NodeAgentConfig) -> ssl.SSLContext | bool:
+    """What the HTTP client verifies the node API with: for an ``https://`` URL a context from ``ca-file``
+    (default: the system's CAs) holding the client certificate when one is configured; the certificate chain
+    and host name are always checked. ``ConfigError`` naming the key when a file cannot be used."""
+    if not config.uses_tls:
+        return True
+    from virtengine_hpc.tls import client_context
+
+    return client_context(config.ca_file, config.client_cert_file, config.client_key_file)
+
+
+def _causes(exc: BaseException) -> list[BaseException]:
+    chain: list[BaseException] = []
+    current: BaseException | None = exc
+    while current is not None and current not in chain:
+        chain.append(current)
+        current = current.__cause__ or current.__context__
+    return chain
+
+
+def describe_failure(exc: httpx.HTTPError, config: NodeAgentConfig) -> str:
+    """Why a request got no answer. A TLS failure says so, with OpenSSL's reason and the keys that fix it."""
+    chain = _causes(exc)
+    tls = next((e for e in chain if isinstance(e, ssl.SSLError)), None)
+    if isinstance(tls, ssl.SSLCertVerificationError):
+        reason = (tls.verify_message or tls.reason or "certificate verify failed").rstrip(".")
+        trusted = f"ca-file {config.ca_file}" if config.ca_file else "the system's CAs (ca-file is unset)"
+        return (
+            f"TLS: the node API's certificate was refused: {reason} (verified against {trusted}; it must chain "
+            f"to that CA and name the host of {config.provider_daemon_url})"
+        )
+    if tls is not None:
+        reason = str(tls.reason or tls)
+        if "CERTIFICATE_REQUIRED" in reason:
+            hint = "the node API requires a client certificate: set client-cert-file and client-key-file"
+        elif any(word in reason for word in ("UNKNOWN_CA", "BAD_CERTIFICATE", "CERTIFICATE_UNKNOWN")):
+            hint = f"the node API refused the client certificate {config.client_cert_file}"
+        elif "WRONG_VERSION_NUMBER" in reason or "RECORD_LAYER_FAILURE" in reason:
+            hint = "the node API does not answer in TLS; does it serve HTTPS (nodes.tls_cert_file)?"
+        else:
+            hint = "handshake failed"
+        return f"TLS: {hint} ({reason})"
+    cause = chain[-1]
+    reason = cause.strerror if isinstance(cause, OSError) and cause.strerror else repr(cause)
+    detail = str(exc).rstrip(".") or f"{type(exc).__name__} ({reason})"
+    if config.uses_tls and isinstance(exc, httpx.ReadError | httpx.WriteError | httpx.RemoteProtocolError):
+        # A TLS 1.3 server checks the client's certificate after the client's side of the handshake is done:
+        # a refused (or missing) one shows up as the connection being closed before any answer.
+        if config.client_cert_file is None:
+            why = "it may require a client certificate (mutual TLS): set client-cert-file and client-key-file"
+        else:
+            why = (
+                f"it may have refused the client certificate {config.client_cert_file} (not signed by the CA in "
+                "its nodes.tls_client_ca_file, or not for client authentication)"
+            )
+        return f"TLS: the node API closed the connection without an answer: {detail}; {why}"
+    if not config.uses_tls and isinstance(exc, httpx.RemoteProtocolError):
+        return f"{detail} (if the node API serves HTTPS, provider-daemon-url must start with https://)"
+    return detail
+
+
 class NodeAgent:
     def __init__(
         self,
@@ -77,7 +139,7 @@ class NodeAgent:
         self.sequence = sequence
         self.collector = collector or MetricsCollector(config.storage_path)
         self.http = http or httpx.AsyncClient(
-            base_url=str(config.provider_daemon_url), timeout=httpx.Timeout(10.0)
+            base_url=str(config.provider_daemon_url), timeout=httpx.Timeout(10.0), verify=tls_verify(config)
         )
         self.registered = False
 
@@ -144,8 +206,11 @@ class NodeAgent:
         try:
             response = await self.http.post(path, json=document, headers=self._headers())
         except httpx.HTTPError as exc:
+            reason = describe_failure(exc, self.config)
+            # A TLS failure is logged as an error (a certificate to fix), the API being down as a warning;
+            # the agent goes on trying either way.
             raise ProviderRefused(
-                f"provider unreachable: {exc}", code="unreachable", transient=True
+                f"provider unreachable: {reason}", code="unreachable", transient=not reason.startswith("TLS:")
             ) from None
         try:
             answer = response.json()

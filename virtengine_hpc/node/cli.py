@@ -69,7 +69,13 @@ async def _with_agent(args: argparse.Namespace, action: str) -> int:
         raise HPCError(f"no key at {config.key_file}: create one with `hpc-node-agent init --key-file PATH`")
     signer = Signer.from_file(config.key_file)
     sequence = SequenceStore(config.sequence_file, lock=action == "start")
-    agent = NodeAgent(config, signer, sequence=sequence)
+    try:
+        agent = NodeAgent(
+            config, signer, sequence=sequence
+        )  # loads the TLS files: ConfigError naming the key
+    except BaseException:
+        sequence.close()
+        raise
     try:
         if action == "register":
             answer = await agent.register()
@@ -80,17 +86,26 @@ async def _with_agent(args: argparse.Namespace, action: str) -> int:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
         logging.getLogger("hpc-node-agent").info(
-            "hpc-node-agent %s: node %s, heartbeat every %s s to %s",
+            "hpc-node-agent %s: node %s, heartbeat every %s s to %s%s",
             AGENT_VERSION,
             config.node_id,
             config.heartbeat_interval.total_seconds(),
             config.provider_daemon_url,
+            _tls_summary(config),
         )
         await agent.run(stop)
         return 0
     finally:
         await agent.close()
         sequence.close()
+
+
+def _tls_summary(config: NodeAgentConfig) -> str:
+    if not config.uses_tls:
+        return ""
+    trusted = f"CA {config.ca_file}" if config.ca_file else "the system's CAs"
+    client = f", client certificate {config.client_cert_file}" if config.client_cert_file else ""
+    return f" (TLS verified against {trusted}{client})"
 
 
 def cmd_register(args: argparse.Namespace) -> int:

@@ -3,7 +3,8 @@
 Keys are spelled as in the seed (``node-id``, ``heartbeat-interval``, ...); an environment variable is the key
 in upper case with ``_`` for ``-`` behind ``VE_NODE_`` (``VE_NODE_NODE_ID``, ``VE_NODE_LATENCY_TARGETS=a,b``).
 Errors name the key and say why. The agent holds no secret in its config: its private key lives in
-``key-file`` (mode 0600).
+``key-file`` (mode 0600), and for mutual TLS its client key in ``client-key-file``. With an ``https://``
+``provider-daemon-url`` the node API's certificate is always verified (``ca-file``, default the system's CAs).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 from pydantic import ValidationError as PydanticValidationError
 
 from virtengine_hpc.config import MAX_ERRORS_SHOWN, Duration, check_config_size
@@ -71,6 +72,15 @@ class NodeAgentConfig(BaseModel):
     ] = Field(default_factory=list, max_length=64, description="host or host:port (default port 6818).")
     log_level: Annotated[Literal["debug", "info", "warning", "error"], BeforeValidator(_lower)] = "info"
     storage_path: Path = Field(Path("/"), description="Filesystem whose size is reported as storage.")
+    ca_file: Path | None = Field(
+        None, description="PEM bundle that verifies the node API's certificate; default: the system's CAs."
+    )
+    client_cert_file: Path | None = Field(
+        None, description="Client certificate (PEM) for a node API that requires mutual TLS."
+    )
+    client_key_file: Path | None = Field(
+        None, description="Private key (PEM, unencrypted) of client-cert-file; refused if others can read it."
+    )
 
     @field_validator("heartbeat_interval")
     @classmethod
@@ -78,6 +88,24 @@ class NodeAgentConfig(BaseModel):
         if not timedelta(milliseconds=200) <= value <= timedelta(hours=1):
             raise ValueError("must be between 200ms and 1h")
         return value
+
+    @model_validator(mode="after")
+    def _tls_files(self) -> NodeAgentConfig:
+        if (self.client_cert_file is None) != (self.client_key_file is None):
+            raise ValueError("client-cert-file and client-key-file go together (mutual TLS needs both)")
+        url = self.provider_daemon_url
+        if url is not None and not url.startswith("https://"):
+            used = [k for k in ("ca-file", "client-cert-file") if getattr(self, k.replace("-", "_"))]
+            if used:
+                raise ValueError(
+                    f"{' and '.join(used)} {'need' if len(used) > 1 else 'needs'} an https:// "
+                    f"provider-daemon-url (it is {url}): over plain HTTP no certificate would be checked"
+                )
+        return self
+
+    @property
+    def uses_tls(self) -> bool:
+        return bool(self.provider_daemon_url and self.provider_daemon_url.startswith("https://"))
 
     @property
     def placement(self) -> NodePlacement:
@@ -131,11 +159,12 @@ def _format(err: PydanticValidationError) -> str:
     parts = []
     errors = err.errors()
     for item in errors[:MAX_ERRORS_SHOWN]:
-        where = ".".join(str(p) for p in item["loc"]) or "(top level)"
+        where = ".".join(str(p) for p in item["loc"])
         message = item["msg"].removeprefix("Value error, ")
         if item["type"] == "extra_forbidden":
             message = "unknown key (see docs/node-agent.md for the keys)"
-        parts.append(f"{where}: {message}")
+        # A check across keys (client-cert-file with client-key-file) names its keys in its message.
+        parts.append(f"{where}: {message}" if where else message)
     if len(errors) > MAX_ERRORS_SHOWN:
         parts.append(f"and {len(errors) - MAX_ERRORS_SHOWN} more")
     return "invalid hpc-node-agent configuration: " + "; ".join(parts)
