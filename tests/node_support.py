@@ -11,6 +11,7 @@ import asyncio
 import json
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import time
@@ -244,8 +245,19 @@ def free_port() -> int:
 class Provider:
     """The provider's side: config file, node API process, CLI runs."""
 
-    def __init__(self, tmp_path: Path, temporal_address: str) -> None:
+    def __init__(
+        self,
+        tmp_path: Path,
+        temporal_address: str,
+        *,
+        nodes: dict[str, Any] | None = None,
+        probe_verify: ssl.SSLContext | None = None,
+    ) -> None:
+        """``nodes`` adds keys to the ``nodes:`` section (``tls_cert_file``...); ``probe_verify`` is the TLS
+        context ``start_api`` checks ``/healthz`` with when the API serves HTTPS."""
         self.port = free_port()
+        self.tls = bool(nodes and nodes.get("tls_cert_file"))
+        self.probe_verify = probe_verify
         self.dir = tmp_path
         self.task_queue_prefix = f"e2e-{uuid.uuid4().hex[:8]}"
         self.config_path = tmp_path / "provider.yaml"
@@ -266,6 +278,7 @@ class Provider:
                         "metadata_interval": "2s",
                         "drain_poll_interval": "500ms",
                         "audit_rate_window": "0s",
+                        **(nodes or {}),
                     },
                 }
             )
@@ -274,7 +287,7 @@ class Provider:
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"{'https' if self.tls else 'http'}://127.0.0.1:{self.port}"
 
     @property
     def task_queue(self) -> str:
@@ -298,10 +311,13 @@ class Provider:
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
             try:
-                if httpx.get(f"{self.url}/healthz", timeout=1).status_code == 200:
+                verify: ssl.SSLContext | bool = self.probe_verify or True
+                if httpx.get(f"{self.url}/healthz", timeout=1, verify=verify).status_code == 200:
                     return
             except httpx.HTTPError:
                 time.sleep(0.1)
+            if self.api.poll() is not None:
+                break
         raise AssertionError("node API did not come up: " + (self.dir / "node-api.log").read_text())
 
     async def cli(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
@@ -326,7 +342,8 @@ class Provider:
 class Agent:
     """One ``hpc-node-agent`` with its own key and config."""
 
-    def __init__(self, tmp_path: Path, node_id: str, provider: Provider) -> None:
+    def __init__(self, tmp_path: Path, node_id: str, provider: Provider, **settings: Any) -> None:
+        """``settings`` adds or overrides agent keys (``ca-file``, ``client-cert-file``...)."""
         self.node_id = node_id
         self.dir = tmp_path / node_id
         self.dir.mkdir()
@@ -349,6 +366,7 @@ class Agent:
                     "position": "u14",
                     "latency-targets": [f"127.0.0.1:{provider.port}"],
                     "log-level": "info",
+                    **settings,
                 }
             )
         )
@@ -393,6 +411,10 @@ class Agent:
 
     def sequence(self) -> int:
         return int((self.dir / "agent.key.seq").read_text())
+
+    def log(self) -> str:
+        path = self.dir / "agent.log"
+        return path.read_text() if path.exists() else ""
 
     async def status(self) -> dict[str, Any]:
         done = await self.run("status", "--config", str(self.config_path))
