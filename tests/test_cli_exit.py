@@ -89,3 +89,25 @@ def test_the_real_cli_keeps_its_exit_codes() -> None:
         text=True,
     )
     assert bad.returncode == 2 and bad.stderr.startswith("error: ")
+
+
+def test_a_reader_that_goes_away_ends_the_command_quietly() -> None:
+    code = textwrap.dedent(
+        """
+        from virtengine_hpc.cli.common import exit_process
+        def main():
+            for i in range(1_000_000):
+                print(f"line {i}")
+            return 0
+        exit_process(main)
+        """
+    )
+    # `... | head -1`: the reader closes the pipe after the first line.
+    done = subprocess.run(
+        ["bash", "-c", f'{sys.executable} -c "$0" | head -1', code],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.stdout == "line 0\n"
+    assert done.stderr == "", done.stderr

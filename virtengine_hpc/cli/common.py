@@ -68,6 +68,8 @@ def exit_process(main: Callable[[], int | None]) -> NoReturn:
             code = 1
     except KeyboardInterrupt:
         code = 130
+    except BrokenPipeError:  # the reader went away (``jobs list | head``): stop quietly, as a SIGPIPE would
+        code = 141
     except BaseException:
         traceback.print_exc()
         code = 1
