@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from virtengine_hpc.cli.common import run
+from virtengine_hpc.cli.common import exit_process, run
 from virtengine_hpc.errors import HPCError
 from virtengine_hpc.node.config import DEFAULT_CONFIG_PATH, NodeAgentConfig, load_agent_config
 from virtengine_hpc.node.heartbeat import AGENT_VERSION
@@ -177,5 +177,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     return run(build_parser(), argv)
 
 
+def entry() -> None:
+    """The ``hpc-node-agent`` console script: ``main``, its exit code and output kept, as ``virtengine-hpc`` does."""
+    exit_process(main)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()
