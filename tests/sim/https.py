@@ -41,6 +41,11 @@ def _san(host: str) -> x509.GeneralName:
         return x509.DNSName(host)
 
 
+def _authority_key_id(ca_key: ec.EllipticCurvePrivateKey) -> x509.AuthorityKeyIdentifier:
+    # Python 3.13's default contexts verify with VERIFY_X509_STRICT, which requires it in issued certificates.
+    return x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key())
+
+
 def _write_key(path: Path, key: ec.EllipticCurvePrivateKey) -> None:
     path.write_bytes(
         key.private_bytes(
@@ -67,6 +72,7 @@ def make_ca(
         .not_valid_before(now - datetime.timedelta(minutes=5))
         .not_valid_after(now + datetime.timedelta(days=1))
         .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+        .add_extension(x509.SubjectKeyIdentifier.from_public_key(ca_key.public_key()), critical=False)
         .add_extension(
             x509.KeyUsage(False, False, False, False, False, True, True, False, False), critical=True
         )
@@ -86,6 +92,7 @@ def make_ca(
             critical=False,
         )
         .add_extension(x509.ExtendedKeyUsage([x509.oid.ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
+        .add_extension(_authority_key_id(ca_key), critical=False)
         .sign(ca_key, hashes.SHA256())
     )
     out = TestCA(base / "ca.pem", base / "server.pem", base / "server.key", base / "ca.key")
@@ -116,6 +123,7 @@ def issue_client_cert(ca: TestCA, base: Path, name: str) -> tuple[Path, Path]:
         .not_valid_before(now - datetime.timedelta(minutes=5))
         .not_valid_after(now + datetime.timedelta(days=1))
         .add_extension(x509.ExtendedKeyUsage([x509.oid.ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False)
+        .add_extension(_authority_key_id(ca_key), critical=False)
         .sign(ca_key, hashes.SHA256())
     )
     cert_path, key_path = base / f"{name}.pem", base / f"{name}.key"
