@@ -136,9 +136,10 @@ class JobActivities:
             partition = job.partition
             if partition is None:
                 # A job that names no partition runs in the one its offering is priced for, never in whichever
-                # partition happens to be the cluster's first: it is billed at that offering's rates.
+                # partition happens to be the cluster's first: it is billed at that offering's rates. (After a
+                # fallback to another cluster the offering's partition may not exist there: that cluster's default.)
                 queue = await self.chain.get_queue(job.offering_id)
-                if queue is not None:
+                if queue is not None and queue.cluster_id == routed.cluster_id:
                     partition = queue.partition
             if cluster is not None and cluster.partitions:
                 part = cluster.partition(partition)

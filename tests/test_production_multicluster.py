@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +26,7 @@ from activities.chain.local_ledger import LocalLedger
 from tests.memory_adapter import MemoryAdapter
 from tests.production_support import cluster_config, provider_ledger, submit, wait_result
 from virtengine_hpc.config import Config, Secrets
+from virtengine_hpc.models import PricedQueue, Pricing
 from virtengine_hpc.states import JobState
 from workers.wiring import task_queue
 from workers.worker import WorkerProcess
@@ -163,3 +165,24 @@ async def test_a_job_for_a_cluster_nobody_listed_stays_strict(
         assert (adapters[A].submits, adapters[B].submits) == (0, 1)
     finally:
         await process.stop()
+
+
+async def test_a_fallback_runs_in_the_other_clusters_default_partition_when_the_offerings_is_not_there(
+    two_workers: Provider,
+) -> None:
+    p = two_workers
+    # An offering priced on A for a partition only A has; A goes offline and permissive routing falls back to B.
+    p.ledger.add_queue(
+        PricedQueue(
+            offering_id="offering-a-only",
+            cluster_id=A,
+            partition="a-only",
+            pricing=Pricing(node_hour=Decimal("36"), minimum_charge=Decimal("0.01")),
+            max_duration_seconds=86400,
+        )
+    )
+    p.ledger.set_cluster_state(A, "offline")
+    job_id = submit(p.ledger, p.config, offering_id="offering-a-only")
+    result = await wait_result(p.client, job_id)
+    assert result.state == JobState.COMPLETED, result.message
+    assert p.adapters[B].partitions[job_id] == "debug"
