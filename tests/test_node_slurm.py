@@ -13,13 +13,13 @@ from typing import Any
 import pytest
 from temporalio.client import Client
 
+from tests import slurm_cluster
 from tests.node_support import beat, capacity, node_worker, quick_settings, wait_for
 from virtengine_hpc.node.heartbeat import NodePlacement
 from virtengine_hpc.node.lifecycle import NodeState, NodeStatus, NodeWorkflowInput
 from virtengine_hpc.signing import Signer, public_key_b64
 from workflows.node import NodeWorkflow
 
-slurm_cluster = pytest.importorskip("tests.slurm_cluster")
 pytestmark = pytest.mark.slurm
 
 
