@@ -41,6 +41,9 @@ DASHBOARD = "https://ondemand.example.org"
 @pytest.fixture(scope="module")
 def users() -> tuple[str, str]:
     if not all(ensure_user(u) for u in USERS):
+        # Root could create them: that it did not is a failure, not a missing precondition.
+        if os.geteuid() == 0:
+            pytest.fail(f"could not create the cluster users {', '.join(USERS)} as root (useradd failed)")
         pytest.skip("needs root to create the two cluster users the tenants map to")
     return USERS
 
