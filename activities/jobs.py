@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import TypeVar
 
@@ -48,8 +49,18 @@ from virtengine_hpc.usage import diff_metrics, normalize_metrics, record_id, sig
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-BodyResolver = Callable[[JobSpec, SchedulerAdapter], Awaitable[str]]
-"""Turns a job into the program the scheduler runs: its script, or its template rendered for the adapter."""
+
+@dataclass(frozen=True)
+class ResolvedBody:
+    """What a job runs: its program, and whether its template asks for whole nodes."""
+
+    text: str
+    exclusive: bool = False
+
+
+BodyResolver = Callable[[JobSpec, SchedulerAdapter], Awaitable[str | ResolvedBody]]
+"""Turns a job into the program the scheduler runs: its script, or its template rendered for the adapter (a plain
+``str`` from a site's own resolver means a script that shares nodes)."""
 
 
 async def script_only_body(job: JobSpec, adapter: SchedulerAdapter) -> str:
@@ -147,7 +158,9 @@ class JobActivities:
                     raise ValidationError(f"partition {partition!r} does not exist on {cluster.cluster_id}")
                 partition = part.name
                 _check_bounds(job, part.max_nodes, part.max_runtime_seconds)
-            body = await self.resolve_body(job, adapter)
+            resolved = await self.resolve_body(job, adapter)
+            if isinstance(resolved, str):
+                resolved = ResolvedBody(resolved)
         except ValidationError as exc:
             self.audit.record(
                 "job_validation_failed",
@@ -166,7 +179,8 @@ class JobActivities:
             is_fallback=routed.is_fallback,
             violations=violations,
             partition=partition,
-            body=body,
+            body=resolved.text,
+            exclusive=resolved.exclusive,
         )
 
     # ---- submission ---------------------------------------------------------------------------------------------
@@ -183,6 +197,7 @@ class JobActivities:
                         job=request.job,
                         body=request.body,
                         partition=request.partition,
+                        exclusive=request.exclusive,
                     )
                 )
             )
@@ -492,4 +507,4 @@ def _check_bounds(job: JobSpec, max_nodes: int, max_runtime_seconds: int) -> Non
         )
 
 
-__all__ = ["BodyResolver", "JobActivities", "script_only_body", "to_application_error"]
+__all__ = ["BodyResolver", "JobActivities", "ResolvedBody", "script_only_body", "to_application_error"]

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from activities.audit import AuditLog
 from activities.chain.client import ChainClient
+from activities.jobs import ResolvedBody
 from activities.schedulers.base import SchedulerAdapter
 from virtengine_hpc.errors import ValidationError
 from virtengine_hpc.models import JobSpec
@@ -68,14 +69,17 @@ class TemplateResolver:
         self.chain = chain
         self.audit = audit
 
-    async def __call__(self, job: JobSpec, adapter: SchedulerAdapter) -> str:
+    async def __call__(self, job: JobSpec, adapter: SchedulerAdapter) -> ResolvedBody:
         if self.chain is not None:
             await self.check_offering(job)
         if job.script is not None:
-            return job.script
+            return ResolvedBody(job.script)
         template = await self.template_for(job)
         values = check_job(template, job)
-        return render_template(template, values, job, launch_profile(adapter))
+        return ResolvedBody(
+            render_template(template, values, job, launch_profile(adapter)),
+            exclusive=template.resources.exclusive_nodes,
+        )
 
     async def check_offering(self, job: JobSpec) -> None:
         assert self.chain is not None

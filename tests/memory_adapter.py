@@ -52,6 +52,7 @@ class MemoryAdapter(SchedulerAdapter):
     crash_after_submit: set[str] = field(default_factory=set)
     submit_delay: float = 0.0
     partitions: dict[str, str | None] = field(default_factory=dict)  # workflow id -> partition it was sent to
+    exclusive: dict[str, bool] = field(default_factory=dict)  # workflow id -> asked for whole nodes
 
     async def submit(self, request: SubmitRequest) -> SubmitResult:
         self.submits += 1
@@ -68,6 +69,7 @@ class MemoryAdapter(SchedulerAdapter):
         script = self.scripts.get(request.workflow_id, self.default)
         self.jobs[job_id] = _Job(request.workflow_id, time.monotonic(), script)
         self.partitions[request.workflow_id] = request.partition
+        self.exclusive[request.workflow_id] = request.exclusive
         if request.workflow_id in self.crash_after_submit:
             self.crash_after_submit.discard(request.workflow_id)
             raise SchedulerUnavailable("connection lost after the scheduler accepted the job")

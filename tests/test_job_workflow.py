@@ -219,6 +219,19 @@ async def test_a_job_without_a_partition_runs_in_its_offerings_partition(pipe: P
     assert adapter(pipe).partitions[on_default] == "debug"
 
 
+async def test_a_template_for_whole_nodes_reaches_the_scheduler_as_exclusive(pipe: Pipeline) -> None:
+    gpu = pipe.submit(
+        template_id="gpu-compute",
+        template_parameters={"command": "nvidia-smi"},
+        resources={"gpus_per_node": 1},
+    )
+    script = pipe.submit()
+    results = await pipe.run_until_done([gpu, script])
+    assert results[gpu].state == C, results[gpu].message
+    assert results[script].state == C
+    assert adapter(pipe).exclusive == {gpu: True, script: False}
+
+
 async def test_scheduler_outage_is_not_a_state_change(pipe: Pipeline) -> None:
     adapter(pipe).default = Script([(0, Q), (0.2, R), (3.0, C)], exit_code=0)
     job_id = pipe.submit()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import os
 import signal
 import subprocess
 import sys
@@ -90,8 +91,11 @@ async def run_job(
     on_running: Callable[[str], Awaitable[None]] | None = None,
     sample_usage: bool = False,
     timeout: float = 150,
+    exclusive: bool = False,
 ) -> Outcome:
-    submitted = await adapter.submit(SubmitRequest(workflow_id=wf, job=job, body=job.script or ""))
+    submitted = await adapter.submit(
+        SubmitRequest(workflow_id=wf, job=job, body=job.script or "", exclusive=exclusive)
+    )
     job_id = submitted.scheduler_job_id
     states: list[JobState] = []
     live: list[Accounting] = []
@@ -287,6 +291,26 @@ async def test_hostile_environment_stays_literal_and_tenant_directives_are_ignor
     assert lines[4] == job_name(outcome.workflow_id), "the tenant's #SBATCH --job-name was ignored"
     assert lines[5] == env["partition"], "the tenant's #SBATCH --partition was ignored"
     assert not Path(marker).exists(), "no hostile string reached a shell"
+
+
+async def test_a_job_asking_for_whole_nodes_gets_every_cpu_of_its_node(
+    env: dict[str, Any], slurm: SlurmAdapter
+) -> None:
+    cpus = os.cpu_count() or 1
+    if cpus < 2:
+        pytest.skip("the one-node cluster has a single CPU: an exclusive job would look like a shared one")
+    body = 'echo "$SLURM_JOB_CPUS_PER_NODE"\n'  # what Slurm allocated on the node
+    whole, shared = wid("whole"), wid("shared")
+    outcomes = {
+        wf: await run_job(slurm, wf, sc.spec(wf, body), exclusive=wf == whole) for wf in (whole, shared)
+    }
+    for outcome in outcomes.values():
+        assert outcome.final.state == JobState.COMPLETED, outcome.final
+    allocated = {
+        wf: sc.job_output(env, wf, outcome.submitted.scheduler_job_id).strip()
+        for wf, outcome in outcomes.items()
+    }
+    assert allocated == {whole: str(cpus), shared: "1"}
 
 
 # ---- jobs that never run -----------------------------------------------------------------------------------------

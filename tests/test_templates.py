@@ -18,7 +18,8 @@ from activities.audit import AuditLog, read_events
 from activities.chain.local_ledger import LocalLedger
 from activities.schedulers.base import SubmitRequest
 from activities.schedulers.local import LocalAdapter
-from activities.schedulers.slurm.script import plan_submission, render_batch_script
+from activities.schedulers.moab.script import msub_argv, render_mws_job
+from activities.schedulers.slurm.script import plan_submission, render_batch_script, render_rest_job
 from activities.templates import TemplateResolver
 from tests.conftest import make_config
 from virtengine_hpc.cli import main as cli_main
@@ -161,6 +162,33 @@ def test_gpu_template_gets_gres_from_the_slurm_script_builder() -> None:
     assert "nvidia-smi -L" in script
     # The tenant's body comes after the directive block, so nothing in it can change the #SBATCH lines.
     assert script.index("#SBATCH --gres") < script.index("# ---- job body ----") < script.index("apptainer")
+
+
+async def test_a_template_for_whole_nodes_asks_every_scheduler_for_them(
+    config: Config, tmp_path: Path
+) -> None:
+    resolver = TemplateResolver()  # built-ins only, no price check
+    adapter = LocalAdapter(config.hpc.local, tmp_path / "local", "c1")
+    specs = {
+        "gpu-compute": job("gpu-compute", {"command": "nvidia-smi"}, resources={"gpus_per_node": 1}),
+        "batch-standard": job("batch-standard", {"command": "hostname"}),
+    }
+    for template_id, spec in specs.items():
+        resolved = await resolver(spec, adapter)
+        whole = builtin_templates()[template_id].resources.exclusive_nodes
+        assert resolved.exclusive is whole
+        plan = plan_submission(
+            SubmitRequest(workflow_id="JOB-1", job=spec, body=resolved.text, exclusive=resolved.exclusive),
+            cluster_id="c1",
+            default_partition="debug",
+            work_dir="/srv/jobs",
+        )
+        assert ("#SBATCH --exclusive" in render_batch_script(plan)) is whole, template_id
+        assert (render_rest_job(plan)["job"].get("exclusive") == "exclusive") is whole, template_id
+        assert ("naccesspolicy=singlejob" in msub_argv(plan)) is whole, template_id
+        requirement = render_mws_job(plan, user=None)["requirements"][0]
+        assert (requirement.get("nodeAccessPolicy") == "SINGLEJOB") is whole, template_id
+    assert builtin_templates()["gpu-compute"].resources.exclusive_nodes  # so both cases above were exercised
 
 
 def test_data_processing_launchers() -> None:

@@ -144,6 +144,7 @@ class RouteOutcome(Model):
     violations: list[Violation] = Field(default_factory=list)
     partition: str | None = None
     body: str = Field("", description="The job's program (script or rendered template).")
+    exclusive: bool = Field(False, description="The job's template asks for whole nodes (exclusive_nodes).")
 
 
 class SubmitInput(Model):
@@ -153,6 +154,7 @@ class SubmitInput(Model):
     partition: str | None = None
     body: str
     max_attempts: int = 4
+    exclusive: bool = False
 
 
 class SubmitOutput(Model):

@@ -180,6 +180,7 @@ class HPCJobWorkflow:
                     partition=outcome.partition,
                     body=outcome.body,
                     max_attempts=self.settings.retry.max_retries + 1,
+                    exclusive=outcome.exclusive,
                 ),
                 task_queue=self.c.task_queue,
                 start_to_close_timeout=timedelta(seconds=300),

@@ -32,6 +32,9 @@ class SubmitRequest(Model):
     job: JobSpec
     body: str = Field(description="The job's program: the tenant's script or the rendered template body.")
     partition: str | None = Field(None, description="Partition/queue after defaults were applied.")
+    exclusive: bool = Field(
+        False, description="Whole nodes: no other job may share them (the template's exclusive_nodes)."
+    )
 
 
 class SubmitResult(Model):

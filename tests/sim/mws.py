@@ -126,6 +126,8 @@ class MwsHandler(BaseHTTPRequestHandler):
         ppn = f"nodes={nodes}:ppn={tpn}" + (f":gpus={int(req['gpus']) // nodes}" if req.get("gpus") else "")
         argv += ["-l", ppn, "-l", f"walltime={int(body.get('duration') or 3600)}"]
         argv += ["-l", f"mem={mem_per_task * tpn * nodes}mb"]
+        if req.get("nodeAccessPolicy") == "SINGLEJOB":
+            argv += ["-l", "naccesspolicy=singlejob"]
         if credentials.get("account"):
             argv += ["-A", str(credentials["account"])]
         if body.get("initialWorkingDirectory"):

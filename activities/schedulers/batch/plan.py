@@ -79,6 +79,7 @@ class SubmitPlan:
     qos: str | None = None
     workdir: str | None = None
     hold: bool = False
+    exclusive: bool = False  # whole nodes, shared with no other job
     extra: dict[str, str] = field(default_factory=dict)
 
     @property
@@ -144,6 +145,7 @@ def plan_submission(
         qos=qos,
         workdir=workdir,
         hold=hold,
+        exclusive=request.exclusive,
     )
 
 

@@ -30,7 +30,10 @@ def resource_list(plan: SubmitPlan) -> list[str]:
     nodes = f"nodes={plan.nodes}:ppn={ppn}"
     if plan.gpus_per_node:
         nodes += f":gpus={plan.gpus_per_node}"
-    return [nodes, f"walltime={plan.time_minutes * 60}", f"mem={plan.mem_mb_per_node * plan.nodes}mb"]
+    values = [nodes, f"walltime={plan.time_minutes * 60}", f"mem={plan.mem_mb_per_node * plan.nodes}mb"]
+    if plan.exclusive:
+        values.append("naccesspolicy=singlejob")  # whole nodes: no other job shares them
+    return values
 
 
 def msub_argv(plan: SubmitPlan, *, command: str = "msub") -> list[str]:
@@ -83,6 +86,8 @@ def render_mws_job(plan: SubmitPlan, *, user: str | None) -> dict[str, Any]:
     }
     if plan.gpus_per_node:
         requirement["gpus"] = plan.gpus_per_node * plan.nodes
+    if plan.exclusive:
+        requirement["nodeAccessPolicy"] = "SINGLEJOB"
     job: dict[str, Any] = {
         "customName": plan.job_name,
         "commandScript": render_script(plan),

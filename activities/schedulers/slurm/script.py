@@ -82,6 +82,8 @@ def render_batch_script(plan: SubmitPlan) -> str:
         lines.append(_directive("--qos", plan.qos))
     if plan.hold:
         lines.append("#SBATCH --hold")
+    if plan.exclusive:
+        lines.append("#SBATCH --exclusive")
     lines.append("# ---- environment (values quoted; the first command ends the #SBATCH block) ----")
     lines.extend(export_line(k, v) for k, v in plan.environment.items())
     # srun steps inside the job inherit this environment (sbatch's --export=NONE would otherwise pass down).
@@ -130,6 +132,10 @@ def render_rest_job(plan: SubmitPlan) -> dict[str, Any]:
         job["qos"] = plan.qos
     if plan.hold:
         job["hold"] = True
+    if plan.exclusive:
+        # v0.0.38's OpenAPI lists "user" | "mcs" | "true" | "false", but slurmrestd 22.05 refuses "true" ("Invalid
+        # exclusive specification") and takes sbatch's own word: "exclusive" (squeue then shows OverSubscribe NO).
+        job["exclusive"] = "exclusive"
     # The body is a bash script on every transport (a tenant's own "#!" line becomes a comment, as with sbatch).
     body = plan.body if plan.body.endswith("\n") else plan.body + "\n"
     return {"script": "#!/bin/bash\n" + body, "job": job}
