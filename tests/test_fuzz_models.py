@@ -33,7 +33,7 @@ from tests.node_support import PROVIDER, SimulatedNode
 from tests.pipeline_harness import TENANT
 from tests.test_templates import LOCAL, SLURM, custom_document
 from virtengine_hpc.config import AuditConfig, NodesConfig
-from virtengine_hpc.errors import HPCError
+from virtengine_hpc.errors import HPCError, ValidationError
 from virtengine_hpc.models import Cluster, JobSpec, PricedQueue, Pricing, UsageMetrics, UsageRecord
 from virtengine_hpc.node.heartbeat import (
     HEARTBEAT_DOMAIN,
@@ -217,18 +217,48 @@ PARAMS = st.dictionaries(
     SCALAR,
     max_size=4,
 )
+PROGRAM = st.from_regex(r"[A-Za-z0-9_./+][A-Za-z0-9_./+-]{0,15}", fullmatch=True)
+PLAUSIBLE: dict[str, st.SearchStrategy[Any]] = {  # by parameter type; argv words are anything at all
+    "command": PROGRAM,
+    "path": PROGRAM | PROGRAM.map("/{}".format),
+    "argv": st.lists(TEXT, max_size=3).map(shlex.join),
+    "modules": st.sampled_from(["openmpi/4.1 gcc/12", "cuda/12.2", "spark/3.5"]),
+    "image": st.just("registry.example.org/app@sha256:" + "a" * 64),
+    "integer": st.integers(256, 4096),
+}
+
+
+@st.composite
+def template_jobs(draw: st.DrawFn) -> tuple[str, dict[str, Any], dict[str, int]]:
+    """A builtin template, its parameters and resources: random scalars under random names (nearly always
+    refused), or values and sizes shaped by what the template declares, so that many examples pass the checks
+    and get rendered."""
+    template_id = draw(st.sampled_from(sorted(builtin_templates())))
+    if draw(st.booleans()):
+        nodes, gpus = draw(st.integers(1, 3)), draw(st.integers(0, 2))
+        return template_id, draw(PARAMS), {"nodes": nodes, "gpus_per_node": gpus}
+    template = builtin_templates()[template_id]
+    params: dict[str, Any] = {}
+    for name, spec in template.parameters.items():
+        if spec.required or draw(st.booleans()):
+            if draw(st.integers(0, 5)) == 0:  # now and then a value of the wrong shape
+                params[name] = draw(SCALAR)
+            elif spec.type == "enum":
+                params[name] = draw(st.sampled_from(spec.choices or ("other",)))
+            else:
+                params[name] = draw(PLAUSIBLE.get(spec.type, TEXT))
+    sizes = template.resources
+    nodes = draw(st.integers(sizes.nodes.min, min(sizes.nodes.max, 3)))
+    gpus = draw(st.integers(sizes.gpus_per_node.min, min(sizes.gpus_per_node.max, 2)))
+    return template_id, params, {"nodes": nodes, "gpus_per_node": gpus}
 
 
 @SETTINGS
-@given(
-    template_id=st.sampled_from(sorted(builtin_templates())),
-    params=PARAMS,
-    gpus=st.integers(0, 2),
-    nodes=st.integers(1, 3),
-)
+@given(case=template_jobs())
 def test_template_parameters_are_checked_then_render(
-    template_id: str, params: dict[str, Any], gpus: int, nodes: int
+    case: tuple[str, dict[str, Any], dict[str, int]],
 ) -> None:
+    template_id, params, resources = case
     template = builtin_templates()[template_id]
     try:
         spec = JobSpec.model_validate(
@@ -237,7 +267,7 @@ def test_template_parameters_are_checked_then_render(
                 "template_id": template_id,
                 "template_parameters": params,
                 "walltime_seconds": 3600,
-                "resources": {"nodes": nodes, "gpus_per_node": gpus},
+                "resources": resources,
             }
         )
     except PydanticValidationError:
@@ -247,7 +277,20 @@ def test_template_parameters_are_checked_then_render(
     except HPCError:
         return
     for profile in (LOCAL, SLURM):
-        assert isinstance(render(template, values, spec, profile), str)
+        try:
+            text = render(template, values, spec, profile)
+        except ValidationError as refused:
+            # What only rendering can check (srun off SLURM, service http without a command): a typed refusal
+            # that names the template, like check_job's.
+            assert str(refused).startswith(f"template {template_id}: "), refused
+            continue
+        # Whatever the parameters, the body is the template's, bash can parse it, and each of the tenant's
+        # argument words is in it as one shell-quoted word (never as shell syntax).
+        assert f"workload template {template_id} " in text and text.endswith('exit "$vehpc_rc"\n'), text
+        checked = subprocess.run(["bash", "-n"], input=text, text=True, capture_output=True)
+        assert checked.returncode == 0, f"{profile.scheduler}: {checked.stderr}\n{text}"
+        for word in values.get("args") or ():
+            assert shlex.quote(word) in text, f"{profile.scheduler}: argument {word!r} not quoted\n{text}"
 
 
 WORD = HOSTILE | st.text(alphabet=st.characters(codec="utf-8", exclude_characters="\x00\n\r"), max_size=12)
