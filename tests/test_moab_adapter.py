@@ -306,7 +306,7 @@ async def test_status_of_many_jobs_is_one_query(cluster: ms.MoabCluster, tmp_mod
         after = adapter.calls
         spent = {k: after.get(k, 0) - before.get(k, 0) for k in after if after.get(k, 0) != before.get(k, 0)}
         assert spent == ({"showq": 1} if transport == "ssh" else {"GET jobs": 1}), spent
-        assert all(s.state == JobState.QUEUED for s in statuses.values())
+        assert {job_id: s.state for job_id, s in statuses.items()} == dict.fromkeys(ids, JobState.QUEUED)
         for job_id in ids:
             await adapter.cancel(job_id)
         await adapter.close()
