@@ -379,7 +379,9 @@ async def test_job_that_can_never_start_fails_fast_and_is_cancelled(
 
 async def test_unknown_jobs_are_not_found_never_completed(slurm: SlurmAdapter) -> None:
     statuses = await slurm.status_batch(["999999", "12x", "999998"])
-    assert all(not s.found for s in statuses.values())
+    assert {job_id: s.found for job_id, s in statuses.items()} == dict.fromkeys(
+        ["999999", "12x", "999998"], False
+    )
     with pytest.raises(JobNotFound):
         await slurm.usage("999999")
     with pytest.raises(JobNotFound):
