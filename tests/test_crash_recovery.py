@@ -106,6 +106,8 @@ async def test_sigkill_worker_while_jobs_run_then_a_new_worker_finishes_them(
             if all(p.ledger.job(j).state == JobState.RUNNING for j in jobs[:3]):  # type: ignore[union-attr]
                 break
             await asyncio.sleep(0.2)
+        else:
+            raise AssertionError("the burners never ran: the worker would be killed before any job runs")
         await asyncio.sleep(2.0)  # some usage records have been sent
         first.kill()
         await asyncio.sleep(1.0)

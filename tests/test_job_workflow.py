@@ -286,6 +286,8 @@ async def test_switched_off_takes_no_new_jobs_but_running_ones_finish_and_cancel
             if p.ledger.job(running[1]).state == R:  # type: ignore[union-attr]
                 break
             await asyncio.sleep(0.1)
+        else:
+            raise AssertionError("the job to cancel never ran")
 
         off = config.model_copy(update={"hpc": config.hpc.model_copy(update={"enabled": False})})
         poller = ChainPoller(

@@ -51,6 +51,8 @@ async def test_every_outcome_on_the_local_executor(pipe: Pipeline, key_path: Pat
         if pipe.ledger.job(jobs["cancelled"]).state == JobState.RUNNING:  # type: ignore[union-attr]
             break
         await asyncio.sleep(0.2)
+    else:
+        raise AssertionError("the job to cancel never ran: a cancel while queued would prove less")
     pipe.ledger.request_cancel(jobs["cancelled"])
     results = await pipe.run_until_done(list(jobs.values()), timeout=120)
 
