@@ -252,7 +252,7 @@ async def test_an_api_key_comes_from_the_named_variable_and_turns_tls_on(
         client = await connect(config)
         assert client.service_client.config.api_key == secret
         assert client.service_client.config.tls  # on, though `tls` was never set
-        assert await client.count_workflows("WorkflowType = 'Nothing'") is not None
+        assert (await client.count_workflows("WorkflowType = 'Nothing'")).count == 0  # the server answered
     # Against the plaintext dev server the key would travel in clear: TLS is on, so the handshake fails, and the
     # error names the address, never the key.
     config = tls_config(tmp_path, upstream, api_key_env="TEMPORAL_API_KEY")
