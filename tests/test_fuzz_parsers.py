@@ -191,8 +191,13 @@ def test_sacct_output(text: str) -> None:
 @pytest.mark.timeout(120)
 @FAST
 @given(text=TEXTS | rows(p.SSTAT_FIELDS))
+@example(text="9.0|5K|cpu=00:00:10,mem=1M,energy=3|fs/disk=7\n")  # parses: its quantities are checked
+@example(text="9.0|5K|energy=-3|fs/disk=-7\n")  # a negative reading is a typed parse error
 def test_sstat_output(text: str) -> None:
-    _typed(lambda: p.parse_sstat(text))
+    steps = _typed(lambda: p.parse_sstat(text))
+    for step in steps or []:  # live readings are billed as they come: none may be negative
+        _no_negative_quantities(step.usage_in, step.max_rss_bytes)
+        _no_negative_quantities(step.usage_out)
 
 
 @pytest.mark.timeout(120)
