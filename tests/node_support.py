@@ -17,7 +17,7 @@ import sys
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
-from contextlib import asynccontextmanager
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from decimal import Decimal
@@ -45,7 +45,7 @@ from virtengine_hpc.node.heartbeat import (
     RegistrationBody,
     sign_document,
 )
-from virtengine_hpc.node.lifecycle import NodeBeat, NodeSettings
+from virtengine_hpc.node.lifecycle import NodeBeat, NodeSettings, NodeState, NodeStatus, workflow_id
 from virtengine_hpc.signing import Signer, public_key_b64
 from workflows.node import NodeWorkflow
 
@@ -333,10 +333,40 @@ class Provider:
             raise AssertionError(f"nodes {' '.join(args)} failed: {done.stdout}\n{done.stderr}")
         return done
 
+    def node_worker(
+        self, client: Client, tmp_path: Path, *, scheduler: RecordingNodeScheduler | None = None
+    ) -> AbstractAsyncContextManager[NodeHarness]:
+        """A node worker over this provider's ledger, audit log and task queue (what ``nodes serve`` signals)."""
+        return node_worker(
+            client,
+            tmp_path,
+            cluster_id=CLUSTER,
+            scheduler=scheduler,
+            ledger_path=self.ledger_path,
+            audit_path=self.audit_path,
+            task_queue=self.task_queue,
+        )
+
     def stop(self) -> None:
         if self.api is not None:
             self.api.terminate()
             self.api.wait(10)
+
+
+async def node_status(client: Client, node_id: str) -> NodeStatus:
+    return await client.get_workflow_handle(workflow_id(CLUSTER, node_id)).query(
+        "status", result_type=NodeStatus
+    )
+
+
+async def reaches(client: Client, node_id: str, state: NodeState, timeout: float) -> None:
+    async def check() -> bool:
+        try:
+            return (await node_status(client, node_id)).state is state
+        except Exception:
+            return False
+
+    await wait_for(check, timeout, f"{node_id} to become {state.value}")
 
 
 class Agent:

@@ -20,7 +20,8 @@ from tests.node_support import (
     Provider,
     RecordingNodeScheduler,
     audit_events,
-    node_worker,
+    node_status,
+    reaches,
     wait_for,
 )
 from virtengine_hpc.node.lifecycle import NodeState, NodeStatus, workflow_id
@@ -34,34 +35,11 @@ def provider(tmp_path: Path, temporal_env: WorkflowEnvironment) -> Iterator[Prov
     provider.stop()
 
 
-async def node_status(client: Client, node_id: str) -> NodeStatus:
-    handle = client.get_workflow_handle(workflow_id(CLUSTER, node_id))
-    return await handle.query("status", result_type=NodeStatus)
-
-
-async def reaches(client: Client, node_id: str, state: NodeState, timeout: float) -> None:
-    async def check() -> bool:
-        try:
-            return (await node_status(client, node_id)).state is state
-        except Exception:
-            return False
-
-    await wait_for(check, timeout, f"{node_id} to become {state.value}")
-
-
 async def test_agent_lifecycle_kill_stale_offline_restart_drain_deregister(
     client: Client, provider: Provider, tmp_path: Path
 ) -> None:
     scheduler = RecordingNodeScheduler(busy_checks=1)
-    async with node_worker(
-        client,
-        tmp_path,
-        cluster_id=CLUSTER,
-        scheduler=scheduler,
-        ledger_path=provider.ledger_path,
-        audit_path=provider.audit_path,
-        task_queue=provider.task_queue,
-    ) as nodes:
+    async with provider.node_worker(client, tmp_path, scheduler=scheduler) as nodes:
         agent = Agent(tmp_path, "node-001", provider)
         public_key = await agent.init()
         try:
@@ -152,14 +130,7 @@ async def test_agent_lifecycle_kill_stale_offline_restart_drain_deregister(
 async def test_an_agent_that_lost_its_sequence_file_is_accepted_again(
     client: Client, provider: Provider, tmp_path: Path
 ) -> None:
-    async with node_worker(
-        client,
-        tmp_path,
-        cluster_id=CLUSTER,
-        ledger_path=provider.ledger_path,
-        audit_path=provider.audit_path,
-        task_queue=provider.task_queue,
-    ) as nodes:
+    async with provider.node_worker(client, tmp_path) as nodes:
         agent = Agent(tmp_path, "node-002", provider)
         await provider.cli("allow", "node-002", "--public-key", await agent.init(), "--cluster", CLUSTER)
         try:

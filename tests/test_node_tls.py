@@ -30,12 +30,12 @@ from tests.node_support import (
     Agent,
     Provider,
     audit_events,
-    node_worker,
+    reaches,
     wait_for,
 )
 from tests.sim.https import TestCA, issue_client_cert, make_ca
 from virtengine_hpc.errors import ConfigError
-from virtengine_hpc.node.lifecycle import NodeState, NodeStatus, workflow_id
+from virtengine_hpc.node.lifecycle import NodeState
 from virtengine_hpc.tls import client_context, server_context
 
 
@@ -106,22 +106,6 @@ def mtls_provider(tmp_path: Path, temporal_env: WorkflowEnvironment, pki: PKI) -
     provider.stop()
 
 
-async def node_status(client: Client, node_id: str) -> NodeStatus:
-    return await client.get_workflow_handle(workflow_id(CLUSTER, node_id)).query(
-        "status", result_type=NodeStatus
-    )
-
-
-async def reaches(client: Client, node_id: str, state: NodeState, timeout: float) -> None:
-    async def check() -> bool:
-        try:
-            return (await node_status(client, node_id)).state is state
-        except Exception:
-            return False
-
-    await wait_for(check, timeout, f"{node_id} to become {state.value}")
-
-
 async def allowed_agent(tmp_path: Path, provider: Provider, node_id: str, **settings: Any) -> Agent:
     agent = Agent(tmp_path, node_id, provider, **settings)
     await provider.cli("allow", node_id, "--public-key", await agent.init(), "--cluster", CLUSTER)
@@ -168,14 +152,7 @@ async def test_an_agent_with_the_ca_registers_and_its_heartbeats_are_accepted_ov
     with pytest.raises(httpx.HTTPError):
         httpx.get(f"http://127.0.0.1:{provider.port}/healthz", timeout=5)
 
-    async with node_worker(
-        client,
-        tmp_path,
-        cluster_id=CLUSTER,
-        ledger_path=provider.ledger_path,
-        audit_path=provider.audit_path,
-        task_queue=provider.task_queue,
-    ) as nodes:
+    async with provider.node_worker(client, tmp_path) as nodes:
         agent = await allowed_agent(tmp_path, provider, "node-tls", **{"ca-file": str(pki.api.ca_cert)})
         try:
             agent.start()
@@ -271,14 +248,7 @@ async def test_mutual_tls_refuses_agents_without_a_certificate_from_the_client_c
     accepted_nothing(provider)
 
     # A certificate from the client CA: registered, heartbeats accepted.
-    async with node_worker(
-        client,
-        tmp_path,
-        cluster_id=CLUSTER,
-        ledger_path=provider.ledger_path,
-        audit_path=provider.audit_path,
-        task_queue=provider.task_queue,
-    ) as nodes:
+    async with provider.node_worker(client, tmp_path) as nodes:
         cert, key = pki.node
         agent = await allowed_agent(
             tmp_path,
