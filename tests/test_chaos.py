@@ -95,6 +95,24 @@ def test_an_existing_ledger_opens_while_another_process_holds_its_write_lock(tmp
     assert LocalLedger(path).fund(TENANT, 1) == 6
 
 
+def start_worker(config_path: Path, key_path: Path, log_path: Path) -> subprocess.Popen[bytes]:
+    """The production ``virtengine-hpc worker run --poller`` process, its output in ``log_path``."""
+    with open(log_path, "wb") as out:
+        return subprocess.Popen(
+            [
+                str(Path(sys.executable).parent / "virtengine-hpc"),
+                "-c",
+                str(config_path),
+                "worker",
+                "run",
+                "--poller",
+            ],
+            env={**os.environ, "PROVIDER_SIGNING_KEY_PATH": str(key_path)},
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(180)
 async def test_a_worker_started_while_the_ledger_is_busy_waits_for_it(
@@ -127,20 +145,7 @@ async def test_a_worker_started_while_the_ledger_is_busy_waits_for_it(
     lock = LedgerLock(config.ledger_path)
     lock.hold(40.0)  # longer than the ledger's 30 s busy timeout
     log_path = tmp_path / "worker.log"
-    with open(log_path, "wb") as out:
-        worker = subprocess.Popen(
-            [
-                str(Path(sys.executable).parent / "virtengine-hpc"),
-                "-c",
-                str(path),
-                "worker",
-                "run",
-                "--poller",
-            ],
-            env={**os.environ, "PROVIDER_SIGNING_KEY_PATH": str(key_path)},
-            stdout=out,
-            stderr=subprocess.STDOUT,
-        )
+    worker = start_worker(path, key_path, log_path)
     try:
         await asyncio.sleep(36)
         assert worker.poll() is None, "the worker gave up: " + log_path.read_text()[-2000:]
@@ -168,20 +173,7 @@ async def test_a_worker_started_while_temporal_is_down_waits_for_it(tmp_path: Pa
     path = tmp_path / "config.yaml"
     path.write_text(yaml.safe_dump(config.model_dump(mode="json")))
     log_path = tmp_path / "worker.log"
-    with open(log_path, "wb") as out:
-        worker = subprocess.Popen(
-            [
-                str(Path(sys.executable).parent / "virtengine-hpc"),
-                "-c",
-                str(path),
-                "worker",
-                "run",
-                "--poller",
-            ],
-            env={**os.environ, "PROVIDER_SIGNING_KEY_PATH": str(key_path)},
-            stdout=out,
-            stderr=subprocess.STDOUT,
-        )
+    worker = start_worker(path, key_path, log_path)
     try:
         await asyncio.sleep(4)
         assert worker.poll() is None, "the worker gave up: " + log_path.read_text()[-2000:]
