@@ -11,7 +11,6 @@ import importlib
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from temporalio.client import Client, Interceptor
@@ -28,6 +27,7 @@ from virtengine_hpc.config import Config, Secrets, TemporalConfig
 from virtengine_hpc.errors import ConfigError, HPCError, SecurityError
 from virtengine_hpc.messages import JobSettings, RetrySettings
 from virtengine_hpc.signing import Signer
+from virtengine_hpc.tls import read_pem
 
 if TYPE_CHECKING:
     from workers.metrics import WorkerMetrics
@@ -78,16 +78,6 @@ def job_settings(config: Config, cluster_id: str | None = None) -> JobSettings:
     )
 
 
-def _read_pem(path: Path, key: str, what: str) -> bytes:
-    try:
-        data = Path(path).read_bytes()
-    except OSError as exc:
-        raise ConfigError(f"temporal.{key}: cannot read {what} {path}: {exc.strerror or exc}") from None
-    if b"-----BEGIN " not in data:
-        raise ConfigError(f"temporal.{key}: {path} is not a PEM file ({what})")
-    return data
-
-
 def tls_config(t: TemporalConfig) -> TLSConfig | bool:
     """The SDK's TLS settings from ``temporal.tls*``; ``False`` for plaintext (a local dev server).
 
@@ -97,13 +87,13 @@ def tls_config(t: TemporalConfig) -> TLSConfig | bool:
     if not t.uses_tls:
         return False
     return TLSConfig(
-        server_root_ca_cert=_read_pem(t.tls_server_ca_cert, "tls_server_ca_cert", "CA certificate")
+        server_root_ca_cert=read_pem(t.tls_server_ca_cert, "temporal.tls_server_ca_cert", "CA certificate")
         if t.tls_server_ca_cert
         else None,
-        client_cert=_read_pem(t.tls_client_cert, "tls_client_cert", "client certificate")
+        client_cert=read_pem(t.tls_client_cert, "temporal.tls_client_cert", "client certificate")
         if t.tls_client_cert
         else None,
-        client_private_key=_read_pem(t.tls_client_key, "tls_client_key", "client key")
+        client_private_key=read_pem(t.tls_client_key, "temporal.tls_client_key", "client key")
         if t.tls_client_key
         else None,
         domain=t.tls_server_name,
