@@ -73,12 +73,32 @@ class Carried(Model):
     )
 
 
+class Recovery(Model):
+    """Why a run was started only to close a job that an earlier run left without a final chain state.
+
+    The reconciler starts such a run (same workflow id) when the chain still shows a job as not final while no
+    workflow is open for it: the earlier run was terminated, failed, timed out or cancelled before it could
+    report, or it was never startable. The run stops the scheduler job if one may exist, sends the final usage
+    from the last reading if the job ran, reports the terminal state and audits why.
+    """
+
+    reason: str = Field(max_length=512, description="What the reconciler found (shown on chain and in audit).")
+    closed_status: str = Field(
+        "", description="How the earlier run closed (TERMINATED, FAILED, TIMED_OUT, CANCELED, COMPLETED) or ''."
+    )
+    scheduler_job_id: str | None = Field(None, description="The scheduler job the earlier run had, if known.")
+    chain_state: JobState = Field(JobState.PENDING, description="The job's state on chain when it was found.")
+
+
 class JobWorkflowInput(Model):
     job: JobSpec
     cluster_id: str = Field(description="The cluster this worker serves (its task queue).")
     provider: str
     settings: JobSettings = Field(default_factory=JobSettings)
     carried: Carried | None = None
+    recovery: Recovery | None = Field(
+        None, description="Set by the reconciler: this run only closes a job an earlier run left open."
+    )
 
 
 class JobResult(Model):
