@@ -87,6 +87,9 @@ class Recovery(Model):
         "", description="How the earlier run closed (TERMINATED, FAILED, TIMED_OUT, CANCELED, COMPLETED) or ''."
     )
     scheduler_job_id: str | None = Field(None, description="The scheduler job the earlier run had, if known.")
+    cluster_id: str | None = Field(
+        None, description="The cluster the earlier run had routed the job to (its VeClusterId), if known."
+    )
     chain_state: JobState = Field(JobState.PENDING, description="The job's state on chain when it was found.")
 
 
