@@ -8,6 +8,7 @@ import ast
 import base64
 import json
 import re
+import sqlite3
 import subprocess
 import sys
 from collections.abc import Callable
@@ -324,3 +325,112 @@ def test_usage_verify_bad_input_is_a_clear_error(
     loose.chmod(0o644)
     code, _, err = cli("usage", "verify", "--file", str(junk), "--key-file", str(loose))
     assert code == 2 and "chmod 600" in err
+
+
+# ---- what the format forbids, damaged rows, the registered keys ------------------------------------------------
+
+
+async def test_usage_verify_refuses_what_the_format_forbids(
+    workspace: tuple[Cli, LocalLedger, Signer, Path], tmp_path: Path
+) -> None:
+    """Each of these still carries a valid signature once a lenient reader has "repaired" it; the documented
+    form forbids them, so a verifier must not vouch for them."""
+    cli, ledger, signer, _ = workspace
+    job_id, _ = await finished_job(ledger, signer)
+    good = export(cli, job_id, tmp_path / "records.json")
+    public = public_key_b64(signer.public_key)
+
+    def verify_text(text: str) -> tuple[int, str]:
+        path = tmp_path / "case.json"
+        path.write_text(text)
+        code, out, _ = cli("usage", "verify", "--file", str(path), "--public-key", public)
+        return code, out
+
+    def variant(seq: int, change: Callable[[dict[str, Any]], None]) -> str:
+        items = json.loads(json.dumps(good))
+        change(items[seq - 1])
+        return json.dumps(items)
+
+    assert verify_text(json.dumps(good))[0] == 0
+    cases = {
+        "metrics.cpu_core_seconds is 598.25: a decimal is written as a JSON string": variant(
+            2, lambda r: r["metrics"].update(cpu_core_seconds=598.25)
+        ),
+        'is_final is "no": true or false': variant(1, lambda r: r.update(is_final="no")),
+        'period_end is "2026-11-30T12:05:00.000123": a time is a JSON string in RFC 3339 with its zone': variant(
+            1, lambda r: r.update(period_end=r["period_end"].rstrip("Z"))
+        ),
+        'sequence is "1": an integer is a JSON number': variant(1, lambda r: r.update(sequence="1")),
+        "energy_joules: missing": variant(1, lambda r: r["metrics"].pop("energy_joules")),
+    }
+    # A duplicate key: json keeps the last value (the signed one), hiding the first from a lenient reader.
+    final = json.dumps(good[2], ensure_ascii=False)
+    cases["duplicate key 'is_final'"] = json.dumps(good[:2], ensure_ascii=False)[:-1] + (
+        ", " + final.replace("{", '{"is_final": false, ', 1) + "]"
+    )
+    for expected, text in cases.items():
+        code, out = verify_text(text)
+        assert code == 1, (expected, out)
+        failed = [
+            line for line in out.splitlines() if line.startswith("FAIL  ") and "malformed record" in line
+        ]
+        assert len(failed) == 1 and expected in failed[0], (expected, out)
+
+
+async def test_a_damaged_stored_record_is_reported_not_a_traceback(
+    workspace: tuple[Cli, LocalLedger, Signer, Path], tmp_path: Path
+) -> None:
+    cli, ledger, signer, _ = workspace
+    job_id, records = await finished_job(ledger, signer)
+    with sqlite3.connect(ledger.path) as db:
+        db.execute(
+            "UPDATE usage_records SET data = ? WHERE record_id = ?",
+            ('{"record_id": "' + records[1].record_id + '", "sequence": "two"}', records[1].record_id),
+        )
+        db.execute("UPDATE usage_records SET data = 'not json' WHERE record_id = ?", (records[2].record_id,))
+    code, out, err = cli("usage", "verify", "--job", job_id)
+    assert code == 1 and "Traceback" not in out + err
+    assert out.startswith(f"OK    {records[0].record_id}")
+    assert f"FAIL  {records[1].record_id}" in out and "malformed record" in out
+    assert "FAIL  #3" in out and "a record is a JSON object, not str" in out
+    assert out.rstrip().endswith("3 records: 1 ok, 2 failed")
+
+    code, out, err = cli("usage", "export", "--job", job_id)
+    assert code == 1 and "Traceback" not in err
+    assert [r["record_id"] for r in json.loads(out)] == [records[0].record_id]
+    assert f"error: stored record {records[1].record_id}: malformed record" in err
+    assert f"error: stored record {records[2].record_id}: malformed record" in err
+
+
+async def test_ledger_keys_prints_what_the_documented_verifier_takes(
+    workspace: tuple[Cli, LocalLedger, Signer, Path], tmp_path: Path
+) -> None:
+    cli, ledger, signer, _ = workspace
+    job_id, records = await finished_job(ledger, signer)
+    export(cli, job_id, tmp_path / "records.json")
+    rotated = Signer.generate()
+    ledger.register_provider_key("virtengine1provider0other", public_key_b64(rotated.public_key))
+
+    code, out, _ = cli("ledger", "keys")
+    assert code == 0
+    assert out.split("\n")[0].split() == ["PROVIDER", "KEY", "ID", "PUBLIC", "KEY", "(BASE64)", "REGISTERED"]
+    rows = [line.split()[:3] for line in out.splitlines()[1:]]
+    assert [PROVIDER, signer.key_id, public_key_b64(signer.public_key)] in rows
+    assert ["virtengine1provider0other", rotated.key_id, public_key_b64(rotated.public_key)] in rows
+
+    code, quiet, _ = cli("ledger", "keys", "--provider", PROVIDER, "--quiet")
+    assert code == 0 and quiet.split() == [public_key_b64(signer.public_key)]
+    code, by_id, _ = cli("ledger", "keys", "--key-id", records[0].key_id, "-q")
+    assert by_id == quiet
+    listed = json.loads(cli("ledger", "keys", "--json")[1])
+    assert {k["provider"]: k["key_id"] for k in listed} == {
+        PROVIDER: signer.key_id,
+        "virtengine1provider0other": rotated.key_id,
+    }
+    assert cli("ledger", "keys", "--provider", "virtengine1nobody0x")[0] == 2
+
+    code = next(block for block in doc_blocks("python") if "Ed25519PublicKey" in block)
+    script = tmp_path / "verify_usage.py"
+    script.write_text(code)
+    checked = run_doc_script(script, tmp_path / "records.json", quiet.strip())
+    assert checked.returncode == 0, checked.stdout + checked.stderr

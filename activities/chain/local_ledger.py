@@ -682,6 +682,17 @@ class LocalLedger:
             )
         return kid
 
+    def registered_keys(self, provider: str | None = None) -> list[tuple[str, str, str, str]]:
+        """``(provider, key_id, public_key_b64, registered_at)`` of every registered usage-signing key (or one
+        provider's), oldest first."""
+        with self._tx(write=False) as db:
+            rows = db.execute(
+                "SELECT provider, key_id, public_key, registered_at FROM provider_keys "
+                "WHERE ? IS NULL OR provider = ? ORDER BY registered_at, provider, key_id",
+                (provider, provider),
+            ).fetchall()
+        return [(r["provider"], r["key_id"], r["public_key"], r["registered_at"]) for r in rows]
+
     def provider_keys(self, provider: str) -> dict[str, str]:
         """``{key_id: public_key_b64}`` of a provider's registered keys."""
         with self._tx(write=False) as db:
@@ -1221,6 +1232,15 @@ class LocalLedger:
 
     async def get_usage_record(self, record_id: str) -> UsageRecord | None:
         return await asyncio.to_thread(self.usage_record, record_id)
+
+    def usage_record_texts(self, job_id: str) -> list[tuple[str, str]]:
+        """A job's stored records as ``(record_id, stored JSON)`` in sequence order, unparsed: what ``usage verify``
+        and ``usage export`` read, so that one damaged row is reported as such instead of stopping the reader."""
+        with self._tx(write=False) as db:
+            rows = db.execute(
+                "SELECT record_id, data FROM usage_records WHERE job_id = ? ORDER BY sequence", (job_id,)
+            ).fetchall()
+        return [(r["record_id"], r["data"]) for r in rows]
 
     def usage_records(self, job_id: str) -> list[UsageRecord]:
         """A job's stored records in sequence order, exactly as received (signatures included)."""

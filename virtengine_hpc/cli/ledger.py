@@ -2,7 +2,7 @@
 
 The operator sets it up (``init``, ``fund``, ``decide``, ``cluster-state``, ``register-key``, ``refund``), a
 tenant uses it as it would use the chain (``submit-job``, ``cancel``, ``balance``), and anyone inspects it
-(``jobs``, ``show``, ``clusters``, ``queues``, ``settlement``, ``height``). The file is the config's
+(``jobs``, ``show``, ``clusters``, ``queues``, ``settlement``, ``height``, ``keys``). The file is the config's
 ``chain.ledger_path`` (default ``<hpc.job_service.state_store_path>/ledger.db``). See ``docs/ledger.md``.
 """
 
@@ -159,6 +159,20 @@ def _register_inspection(sub: Any) -> None:
 
     p = sub.add_parser("height", help="the current block height")
     p.set_defaults(func=cmd_height)
+
+    p = sub.add_parser(
+        "keys",
+        help="registered usage-signing public keys (raw Ed25519, base64: what a verifier needs)",
+        description="Every registered usage-signing key: provider, key id (hex SHA-256 of the raw key), the raw "
+        "32-byte public key in base64 (the form docs/usage-records.md's verifier takes) and when it was "
+        "registered. --quiet prints only the base64 keys, one per line.",
+    )
+    p.add_argument("--provider", help="only this provider's keys")
+    p.add_argument("--key-id", metavar="HEX", help="only the key with this id (a record's key_id)")
+    group = p.add_mutually_exclusive_group()
+    group.add_argument("--json", action="store_true")
+    group.add_argument("--quiet", "-q", action="store_true", help="only the base64 public keys")
+    p.set_defaults(func=cmd_keys)
     _register_pricing(sub)
 
 
@@ -705,6 +719,23 @@ def cmd_settlement(args: argparse.Namespace) -> int:
         print(f"{args.job_id}: no settlement yet", file=sys.stderr)
         return 1
     print_json(settlement)
+    return 0
+
+
+def cmd_keys(args: argparse.Namespace) -> int:
+    keys = [k for k in open_ledger(args).registered_keys(args.provider) if args.key_id in (None, k[1])]
+    if not keys:
+        what = f" for {args.provider}" if args.provider else ""
+        raise ValidationError(
+            f"no usage-signing key{' ' + args.key_id if args.key_id else ''} registered{what}"
+        )
+    if args.json:
+        fields = ("provider", "key_id", "public_key", "registered_at")
+        print(json.dumps([dict(zip(fields, k, strict=True)) for k in keys], indent=2))
+    elif args.quiet:
+        print("\n".join(public for _, _, public, _ in keys))
+    else:
+        _table([("PROVIDER", "KEY ID", "PUBLIC KEY (BASE64)", "REGISTERED"), *keys])
     return 0
 
 

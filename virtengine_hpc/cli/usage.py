@@ -33,6 +33,7 @@ from virtengine_hpc.signing import (
     public_key_from_b64,
 )
 from virtengine_hpc.usage import record_id, verify_record
+from virtengine_hpc.usage_format import form_problems, load_json
 
 KeyLookup = Callable[[UsageRecord], "Ed25519PublicKey | str"]
 """Returns the key to verify a record with, or a reason why there is none."""
@@ -132,19 +133,32 @@ class Verification:
         return bool(self.records) and all(r.ok for r in self.records) and not any(self.jobs.values())
 
 
+def read_record(item: Any) -> UsageRecord | list[str]:
+    """The record ``item`` (as JSON gives it) holds, or what makes it malformed: anything the documented form
+    forbids (``usage_format``), then anything the model refuses (a negative quantity, an unknown state)."""
+    problems = form_problems(item)
+    if problems:
+        return [f"malformed record: {'; '.join(problems[:5])}"]
+    try:
+        return UsageRecord.model_validate(item)
+    except PydanticValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"])
+        return [f"malformed record: {where}: {first['msg']}"]
+
+
 def verify_records(items: list[Any], lookup: KeyLookup) -> Verification:
     """Check each record's form and signature, then each job's sequence (gapless from 1, one final, last)."""
     checks: list[RecordCheck] = []
     for number, item in enumerate(items, start=1):
-        label = str(item.get("record_id", f"#{number}")) if isinstance(item, dict) else f"#{number}"
-        try:
-            record = UsageRecord.model_validate(item)
-        except PydanticValidationError as exc:
-            first = exc.errors()[0]
-            where = ".".join(str(p) for p in first["loc"])
-            checks.append(RecordCheck(label, None, [f"malformed record: {where}: {first['msg']}"]))
+        label = f"#{number}"
+        if isinstance(item, dict) and isinstance(item.get("record_id"), str):
+            label = item["record_id"]
+        read = read_record(item)
+        if isinstance(read, list):
+            checks.append(RecordCheck(label, None, read))
             continue
-        checks.append(RecordCheck(label, record, _record_problems(record, lookup)))
+        checks.append(RecordCheck(label, read, _record_problems(read, lookup)))
     by_job: dict[str, list[UsageRecord]] = {}
     for check in checks:
         if check.record is not None:
@@ -193,13 +207,21 @@ def _read_records(path: str) -> list[Any]:
     except (OSError, UnicodeDecodeError) as exc:
         raise ValidationError(f"{path}: {exc}") from None
     try:
-        data = json.loads(text)
+        data = load_json(text)
     except json.JSONDecodeError:
         try:
-            data = [json.loads(line) for line in text.splitlines() if line.strip()]
+            data = [load_json(line) for line in text.splitlines() if line.strip()]
         except json.JSONDecodeError as exc:
             raise ValidationError(f"{path} is neither JSON nor JSON lines: {exc}") from None
     return data if isinstance(data, list) else [data]
+
+
+def _stored(text: str) -> Any:
+    """A record as the ledger stored it; a row that is not even JSON is kept as text (reported malformed)."""
+    try:
+        return load_json(text)
+    except json.JSONDecodeError:
+        return text
 
 
 def wire_form(record: UsageRecord) -> dict[str, Any]:
@@ -222,12 +244,21 @@ def cmd_export(args: argparse.Namespace) -> int:
     ledger = open_ledger(args)
     if ledger.job(args.job) is None:
         raise ValidationError(f"unknown job {args.job}")
-    text = json.dumps([wire_form(r) for r in ledger.usage_records(args.job)], indent=2, ensure_ascii=False)
+    exported, damaged = [], []
+    for rid, stored in ledger.usage_record_texts(args.job):
+        read = read_record(_stored(stored))
+        if isinstance(read, list):
+            damaged.append(f"{rid}: {'; '.join(read)}")
+        else:
+            exported.append(wire_form(read))
+    text = json.dumps(exported, indent=2, ensure_ascii=False)
     if args.output:
         Path(args.output).write_text(text + "\n")
     else:
         print(text)
-    return 0
+    for line in damaged:
+        print(f"error: stored record {line} (not exported)", file=sys.stderr)
+    return 1 if damaged else 0
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
@@ -241,7 +272,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     if args.job:
         from virtengine_hpc.cli.ledger import open_ledger
 
-        items: list[Any] = [r.model_dump(mode="json") for r in open_ledger(args).usage_records(args.job)]
+        items: list[Any] = [_stored(text) for _, text in open_ledger(args).usage_record_texts(args.job)]
     else:
         items = _read_records(args.file)
     result = verify_records(items, lookup)
