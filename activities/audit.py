@@ -55,6 +55,7 @@ EVENTS: dict[str, Category] = {
     "status_reported": Category.JOB,
     "status_report_failed": Category.JOB,
     "state_recovered": Category.JOB,
+    "job_parked": Category.JOB,
     "usage_reported": Category.USAGE,
     "usage_report_failed": Category.USAGE,
     "accounting_reported": Category.USAGE,

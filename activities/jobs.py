@@ -10,6 +10,7 @@ report them.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
@@ -31,6 +32,9 @@ from virtengine_hpc.messages import (
     CancelInput,
     FindInput,
     FindOutput,
+    ParkInput,
+    RecoverInput,
+    RecoverOutput,
     RouteOutcome,
     RouteRequest,
     SubmitInput,
@@ -87,11 +91,19 @@ async def heartbeating(call: Awaitable[T]) -> T:
     them is killed, Temporal retries them on another worker almost at once (the retried submit adopts the job).
     """
     task = asyncio.ensure_future(call)
-    while True:
-        done, _ = await asyncio.wait({task}, timeout=HEARTBEAT_EVERY)
-        if done:
-            return task.result()
-        activity.heartbeat()
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=HEARTBEAT_EVERY)
+            if done:
+                return task.result()
+            activity.heartbeat()
+    except asyncio.CancelledError:
+        # The attempt was cancelled (workflow cancel, heartbeat timeout): the call goes with it, so a retry never
+        # runs beside a zombie of this attempt.
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await task
+        raise
 
 
 class JobActivities:
@@ -256,6 +268,61 @@ class JobActivities:
                 },
             )
         return FindOutput(scheduler_job_id=found)
+
+    @activity.defn(name="recover_job")
+    async def recover_job(self, request: RecoverInput) -> RecoverOutput:
+        """Where a job an earlier run left open stands: its scheduler job (looked up by the workflow id when the
+        earlier run had none) and the usage records the chain already holds, so the recovery run cancels the
+        right job and continues the records without a gap or a second final record."""
+        try:
+            found = request.scheduler_job_id
+            if found is None:
+                found = await heartbeating(self.adapter(request.cluster_id).find(request.workflow_id))
+            records = await heartbeating(self.chain.job_usage_records(request.job_id))
+        except HPCError as exc:
+            raise to_application_error(exc) from None
+        out = RecoverOutput(scheduler_job_id=found)
+        if records:
+            last = records[-1]
+            # A final record already sent is sent again (adopted by id) with the accounting that may be missing.
+            kept = records[:-1] if last.is_final else records
+            out = RecoverOutput(
+                scheduler_job_id=found,
+                next_sequence=len(kept) + 1,
+                cumulative=sum_metrics([r.metrics for r in kept]),
+                last_period_end=kept[-1].period_end if kept else records[0].period_start,
+                first_period_start=records[0].period_start,
+            )
+        self.audit.record(
+            "state_recovered",
+            job_id=request.job_id,
+            cluster_id=request.cluster_id,
+            details={
+                "scheduler_job_id": found,
+                "records": len(records),
+                "why": "recovery run of a job an earlier run left open",
+            },
+        )
+        return out
+
+    @activity.defn(name="park_job")
+    async def park_job(self, request: ParkInput) -> None:
+        """A job waits for an operator: say so where operators look (audit, error log)."""
+        log.error(
+            "job %s parked: %s (virtengine-hpc jobs retry %s once fixed)",
+            request.job_id,
+            request.reason,
+            request.job_id,
+            extra={"job_id": request.job_id, "cluster_id": request.cluster_id},
+        )
+        self.audit.record(
+            "job_parked",
+            job_id=request.job_id,
+            cluster_id=request.cluster_id,
+            success=False,
+            error_msg=request.reason,
+            details={"state": request.state.value, "scheduler_job_id": request.scheduler_job_id},
+        )
 
     # ---- watching -----------------------------------------------------------------------------------------------
 

@@ -10,7 +10,7 @@ import asyncio
 import contextlib
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from decimal import Decimal
 from pathlib import Path
@@ -21,6 +21,7 @@ from temporalio.service import RPCError
 from temporalio.worker import Worker
 
 from activities.audit import read_events
+from activities.chain.client import ChainClient
 from activities.chain.local_ledger import LocalLedger
 from activities.schedulers.base import SchedulerAdapter
 from virtengine_hpc.config import Config, Secrets
@@ -165,15 +166,23 @@ def setup_ledger(config: Config, signer: Signer, *, nodes: int = 4) -> LocalLedg
 
 @contextlib.asynccontextmanager
 async def running_pipeline(
-    client: Client, config: Config, key_path: Path, adapter: SchedulerAdapter, task_queue: str
+    client: Client,
+    config: Config,
+    key_path: Path,
+    adapter: SchedulerAdapter,
+    task_queue: str,
+    *,
+    chain: Callable[[LocalLedger], ChainClient] | None = None,
 ) -> AsyncIterator[Pipeline]:
+    """A worker and a poller on ``task_queue``; ``chain`` wraps the ledger the provider side talks to (faults)."""
     signer = Signer.from_file(key_path)
     ledger = setup_ledger(config, signer)
+    provider_chain: ChainClient = chain(ledger) if chain else ledger
     secrets = Secrets(provider_signing_key_path=key_path)
-    deps = build_worker_deps(config, secrets, chain=ledger, adapters={config.hpc.cluster_id: adapter})
+    deps = build_worker_deps(config, secrets, chain=provider_chain, adapters={config.hpc.cluster_id: adapter})
     worker: Worker = make_worker(client, deps, queue=task_queue)
     poller = ChainPoller(
-        client, ledger, config, deps.audit, task_queue=task_queue, settings=job_settings(config)
+        client, provider_chain, config, deps.audit, task_queue=task_queue, settings=job_settings(config)
     )
     async with worker:
         yield Pipeline(config, ledger, client, deps, poller, task_queue, adapter)

@@ -311,23 +311,6 @@ async def test_switched_off_takes_no_new_jobs_but_running_ones_finish_and_cancel
         )
 
 
-async def test_job_that_never_starts_times_out_after_job_timeout_default(
-    client: Client, tmp_path: Path, key_path: Path, task_queue: str
-) -> None:
-    config = make_config(
-        tmp_path,
-        hpc={"cluster_id": f"c-{uuid.uuid4().hex[:8]}", "job_service": {"job_timeout_default": "2s"}},
-    )
-    scheduler = MemoryAdapter(default=Script([(0, Q)]))
-    async with running_pipeline(client, config, key_path, scheduler, task_queue) as p:
-        job_id = p.submit()
-        results = await p.run_until_done([job_id], timeout=120)
-        assert results[job_id].state == JobState.TIMEOUT
-        assert "job_timeout_default" in results[job_id].message
-        assert scheduler.cancels, "the provider cancels the job in the scheduler"
-        assert p.ledger.balance(TENANT) == Decimal("100000"), "a job that never ran costs nothing"
-
-
 async def test_search_attributes_follow_the_job(pipe: Pipeline) -> None:
     adapter(pipe).default = Script([(0, Q), (0.2, R), (1.0, C)], exit_code=0)
     job_id = pipe.submit()

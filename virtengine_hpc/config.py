@@ -128,6 +128,17 @@ class JobServiceConfig(Section):
     max_concurrent_jobs: int = Field(
         100, ge=1, le=100_000, description="Jobs in flight at once; the rest wait."
     )
+    max_queue_wait: Duration | None = Field(
+        None,
+        description="Cancel a job that has waited this long in the scheduler's queue without starting and report "
+        "it timed out. Unset (the default): no limit, long queues are normal on HPC clusters.",
+    )
+    walltime_grace: Duration = Field(
+        timedelta(minutes=2),
+        description="How long past its walltime (counted in running time only: suspended time does not count) a "
+        "job may run before the provider cancels it and reports it timed out; the scheduler normally ends it "
+        "first.",
+    )
     enable_state_recovery: bool = Field(
         True, description="Kept for compatibility: recovery always comes from Temporal's workflow history."
     )

@@ -17,6 +17,8 @@ from virtengine_hpc.models import JobSpec, Model, UsageMetrics
 from virtengine_hpc.states import JobState, LifecycleEvent
 
 JOB_WORKFLOW_NAME = "HPCJobWorkflow"
+PARKED = "parked"
+"""``VeJobState`` of a job whose workflow waits for an operator (``virtengine-hpc jobs retry JOB``)."""
 
 
 class RetrySettings(Model):
@@ -39,6 +41,11 @@ class JobSettings(Model):
     retry: RetrySettings = Field(default_factory=RetrySettings)
     max_watch_seconds: float = 3600.0
     continue_as_new_after_events: int = 8000
+    max_queue_wait_seconds: float | None = Field(
+        None,
+        description="Cancel a job that has waited this long in the scheduler's queue without starting (reported "
+        "timeout). None: no limit (long queues are normal on HPC clusters).",
+    )
     task_queues: dict[str, str] = Field(
         default_factory=dict,
         description="Task queue of each of the provider's clusters: a job routed to another cluster runs its "
@@ -71,6 +78,28 @@ class Carried(Model):
         description="Where the scheduler activities run when routing moved the job to another cluster "
         "(None: the workflow's own task queue).",
     )
+    submit_started: bool = Field(
+        False, description="A submit attempt was scheduled: a scheduler job may exist even without an id."
+    )
+    closing_error: str = Field(
+        "", description="A step failed for good: the job is being closed as failed with this reason."
+    )
+    parked: str | None = Field(
+        None, description="Why the job waits for an operator (`jobs retry`), or None when it is not parked."
+    )
+    cancel_failures: int = Field(
+        0, description="Cancel attempts in a row that failed (backoff between them)."
+    )
+    cancel_retry_at: datetime | None = Field(None, description="When the next cancel attempt is due.")
+    queued_since: datetime | None = Field(
+        None, description="When the job last entered the scheduler's queue."
+    )
+    running_since: datetime | None = Field(
+        None, description="Start of the current running stretch (None while queued or suspended)."
+    )
+    run_seconds: float = Field(
+        0.0, description="Seconds the job ran before the current stretch (suspended time is not counted)."
+    )
 
 
 class Recovery(Model):
@@ -82,9 +111,12 @@ class Recovery(Model):
     from the last reading if the job ran, reports the terminal state and audits why.
     """
 
-    reason: str = Field(max_length=512, description="What the reconciler found (shown on chain and in audit).")
+    reason: str = Field(
+        max_length=512, description="What the reconciler found (shown on chain and in audit)."
+    )
     closed_status: str = Field(
-        "", description="How the earlier run closed (TERMINATED, FAILED, TIMED_OUT, CANCELED, COMPLETED) or ''."
+        "",
+        description="How the earlier run closed (TERMINATED, FAILED, TIMED_OUT, CANCELED, COMPLETED) or ''.",
     )
     scheduler_job_id: str | None = Field(None, description="The scheduler job the earlier run had, if known.")
     cluster_id: str | None = Field(
@@ -129,10 +161,17 @@ class JobStatusView(Model):
     cancel_requested: bool = False
     submitted_at: datetime | None = None
     started_at: datetime | None = None
+    parked: str | None = Field(None, description="Why the job waits for an operator, if it does.")
 
 
 class CancelRequest(Model):
     reason: str = Field("cancelled by the tenant", max_length=512)
+
+
+class RetryRequest(Model):
+    """An operator's go-ahead for a parked job (``virtengine-hpc jobs retry JOB``): try the failed step again."""
+
+    note: str = Field("", max_length=512)
 
 
 # ---- activities -------------------------------------------------------------------------------------------------
@@ -258,6 +297,33 @@ class UsageInput(Model):
         description="Close with the last reading when the scheduler has no final accounting (deadline, vanished).",
     )
     max_attempts: int = 0
+
+
+class ParkInput(Model):
+    """A job that cannot make progress without an operator: audited and logged where operators look."""
+
+    job_id: str
+    cluster_id: str
+    state: JobState
+    reason: str
+    scheduler_job_id: str | None = None
+
+
+class RecoverInput(Model):
+    """What a recovery run needs to know before it closes a job an earlier run left open."""
+
+    job_id: str
+    workflow_id: str
+    cluster_id: str
+    scheduler_job_id: str | None = Field(None, description="Known scheduler job, or None: look it up.")
+
+
+class RecoverOutput(Model):
+    scheduler_job_id: str | None = None
+    next_sequence: int = 1
+    cumulative: UsageMetrics = Field(default_factory=UsageMetrics)
+    last_period_end: datetime | None = None
+    first_period_start: datetime | None = None
 
 
 class UsageOutput(Model):

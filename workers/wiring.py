@@ -67,6 +67,10 @@ def job_settings(config: Config, cluster_id: str | None = None) -> JobSettings:
         usage_enabled=hpc.usage_reporting.enabled,
         retry_on_failure=hpc.usage_reporting.retry_on_failure,
         job_timeout_default_seconds=hpc.job_service.job_timeout_default.total_seconds(),
+        max_queue_wait_seconds=(
+            hpc.job_service.max_queue_wait.total_seconds() if hpc.job_service.max_queue_wait else None
+        ),
+        walltime_grace_seconds=hpc.job_service.walltime_grace.total_seconds(),
         vanished_grace_seconds=hpc.job_service.vanished_job_grace.total_seconds(),
         retry=RetrySettings(
             max_retries=hpc.retry.max_retries,

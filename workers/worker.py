@@ -61,6 +61,8 @@ def job_activities(acts: JobActivities) -> list[Callable[..., Any]]:
         acts.cancel_job,
         acts.report_transition,
         acts.report_usage,
+        acts.recover_job,
+        acts.park_job,
     ]
 
 

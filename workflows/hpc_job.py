@@ -11,16 +11,20 @@ by a few events per report period (invariant 3); the workflow continues as new w
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Awaitable, Callable
 from datetime import datetime, timedelta
 
 from temporalio import workflow
 from temporalio.common import RetryPolicy, SearchAttributeKey, SearchAttributePair, TypedSearchAttributes
-from temporalio.exceptions import ActivityError, ApplicationError
+from temporalio.exceptions import ActivityError, ApplicationError, CancelledError
+from temporalio.workflow import ActivityCancellationType
 
 with workflow.unsafe.imports_passed_through():
     from activities.schedulers.base import NativeStatus
     from virtengine_hpc.messages import (
         JOB_WORKFLOW_NAME,
+        PARKED,
         CancelInput,
         CancelRequest,
         Carried,
@@ -29,6 +33,11 @@ with workflow.unsafe.imports_passed_through():
         JobResult,
         JobStatusView,
         JobWorkflowInput,
+        ParkInput,
+        RecoverInput,
+        RecoverOutput,
+        Recovery,
+        RetryRequest,
         RouteOutcome,
         RouteRequest,
         SubmitInput,
@@ -57,6 +66,13 @@ PATCH_MULTI_CLUSTER = "multi-cluster-task-queues"
 PATCH_RECOVER_SUBMISSION = "recover-failed-submission"
 """A job whose submit attempts all failed without a refusal is looked up before it is failed, and adopted if one
 of the attempts created it (the load benchmark found jobs failed on chain while they ran)."""
+PATCH_NO_JOB_LEFT_BEHIND = "no-job-left-behind"
+"""Since 0.3: every exit of a job goes through its finish path. A Temporal cancel (Web UI, ``temporal workflow
+cancel``) is a provider cancel; a step that fails for good closes the job as failed instead of failing the
+workflow; cancel retries back off; a job whose final accounting or terminal report cannot be sent is parked for an
+operator; walltime counts only running time; a queue wait has no limit unless ``max_queue_wait`` is set; final
+accounting is sent even with usage reporting off. Decided once per run, so runs that began before it replay."""
+CANCEL_BACKOFF_CAP = timedelta(minutes=5)
 _NON_RETRYABLE = [
     "ValidationError",
     "ConfigError",
@@ -88,6 +104,7 @@ class HPCJobWorkflow:
         self.final_record_id: str | None = None
         self.charged: str | None = None
         self.refunded: str | None = None
+        self.v2 = False  # PATCH_NO_JOB_LEFT_BEHIND, decided when the run starts
 
     # ---- handlers -----------------------------------------------------------------------------------------------
 
@@ -104,6 +121,7 @@ class HPCJobWorkflow:
             cancel_requested=self.c.cancel_requested,
             submitted_at=self.c.submitted_at,
             started_at=self.c.started_at,
+            parked=self.c.parked,
         )
 
     @workflow.signal
@@ -122,6 +140,19 @@ class HPCJobWorkflow:
                 f"job {self.job.job_id} already ended ({self.c.state.value})", type="JobEnded"
             )
 
+    @workflow.update
+    def retry_parked(self, request: RetryRequest) -> JobStatusView:
+        """An operator fixed what parked the job (``jobs retry JOB``): try the failed step again."""
+        self.c = self.c.model_copy(update={"parked": None})
+        return self.status()
+
+    @retry_parked.validator
+    def _validate_retry(self, request: RetryRequest) -> None:
+        if self.c.parked is None:
+            raise ApplicationError(
+                f"job {self.job.job_id} is not parked ({self.c.state.value})", type="NotParked"
+            )
+
     def _request_cancel(self, request: CancelRequest) -> None:
         if not self.c.state.final and not self.c.cancel_requested:
             self.c = self.c.model_copy(update={"cancel_requested": True, "cancel_reason": request.reason})
@@ -130,13 +161,11 @@ class HPCJobWorkflow:
 
     @workflow.run
     async def run(self, inp: JobWorkflowInput) -> JobResult:
-        if self.c.scheduler_job_id is None and not self.c.state.final:
-            await self._route_and_submit()
-        while not self.c.state.final:
-            await self._watch_once()
-            if not self.c.state.final and self._history_is_long():
-                await workflow.wait_condition(workflow.all_handlers_finished)
-                workflow.continue_as_new(self.inp.model_copy(update={"carried": self.c}))
+        self.v2 = workflow.patched(PATCH_NO_JOB_LEFT_BEHIND)
+        if self.v2:
+            await self._drive_to_the_end()
+        else:
+            await self._drive()
         await workflow.wait_condition(workflow.all_handlers_finished)
         return JobResult(
             job_id=self.job.job_id,
@@ -150,9 +179,141 @@ class HPCJobWorkflow:
             refunded=self.refunded,
         )
 
+    async def _drive(self) -> None:
+        if self.c.scheduler_job_id is None and not self.c.state.final:
+            await self._route_and_submit()
+        while not self.c.state.final:
+            await self._watch_once()
+            if not self.c.state.final and self._history_is_long():
+                await workflow.wait_condition(workflow.all_handlers_finished)
+                workflow.continue_as_new(self.inp.model_copy(update={"carried": self.c}))
+
+    async def _drive_to_the_end(self) -> None:
+        """Drive the job to a final state on chain, whatever happens on the way.
+
+        A Temporal cancel (the Web UI's Cancel, ``temporal workflow cancel``) arrives here as ``CancelledError``:
+        it becomes a provider cancel (the scheduler job is cancelled, usage settled, the chain told), and the
+        workflow then completes. A step that fails for good (a non-retryable error) closes the job as failed the
+        same way; a second failure parks it for an operator. Only ``continue_as_new`` leaves early.
+        """
+        if self.inp.recovery is not None and self.inp.carried is None:
+            await self._begin_recovery(self.inp.recovery)
+        while True:
+            try:
+                await self._drive()
+                return
+            except asyncio.CancelledError:
+                if self.c.state.final:
+                    return
+                self._on_workflow_cancel()
+            except ActivityError as err:
+                if _is_cancel(err):  # the workflow cancel reached the activity it was waiting on
+                    self._on_workflow_cancel()
+                else:
+                    await self._close_after_error(err)
+
+    def _on_workflow_cancel(self) -> None:
+        """A Temporal cancel is a provider cancel: the scheduler job is cancelled and the job finishes as usual."""
+        self._request_cancel(CancelRequest(reason="cancelled by the operator (Temporal workflow cancel)"))
+        if not self.c.cancel_sent:
+            # A new cancel goes out even if one is waiting for its backoff: the operator asked now.
+            self.c = self.c.model_copy(update={"cancel_retry_at": None})
+
+    async def _close_after_error(self, err: ActivityError) -> None:
+        """A step failed for good: close the job as failed (stopping its scheduler job); park on a second one."""
+        why = f"{_activity_of(err)} failed: {_cause(err)}"[:1000]
+        if self.c.closing_error:
+            await self._park(why)
+            return
+        workflow.logger.error("job %s: %s; closing it as failed", self.job.job_id, why)
+        self.c = self.c.model_copy(
+            update={
+                "closing_error": why,
+                "forced_final": JobState.FAILED,
+                "forced_message": why,
+                "cancel_requested": True,
+                "cancel_reason": why,
+                "cancel_retry_at": None,
+            }
+        )
+
+    async def _begin_recovery(self, rec: Recovery) -> None:
+        """This run only closes a job an earlier run left open (the reconciler started it): find its scheduler
+        job and its usage so far, then cancel and finish it through the normal path."""
+        cluster = rec.cluster_id or self.c.cluster_id
+        self.c = Carried(state=rec.chain_state, cluster_id=cluster)
+        if cluster != self.inp.cluster_id:
+            self._follow_cluster()
+        found: RecoverOutput = await workflow.execute_activity(
+            "recover_job",
+            RecoverInput(
+                job_id=self.job.job_id,
+                workflow_id=workflow.info().workflow_id,
+                cluster_id=cluster,
+                scheduler_job_id=rec.scheduler_job_id,
+            ),
+            task_queue=self.c.task_queue,
+            start_to_close_timeout=timedelta(seconds=300),
+            heartbeat_timeout=SHORT_HEARTBEAT,
+            retry_policy=self._retry(unlimited=True),
+            result_type=RecoverOutput,
+        )
+        now = workflow.now()
+        ran = (
+            rec.chain_state in (JobState.RUNNING, JobState.SUSPENDED) or found.first_period_start is not None
+        )
+        started = (found.first_period_start or now) if ran else None
+        why = f"closed by the reconciler: {rec.reason}"[:512]
+        self.c = self.c.model_copy(
+            update={
+                "scheduler_job_id": found.scheduler_job_id,
+                "submitted_at": now if found.scheduler_job_id else None,
+                "started_at": started,
+                "last_report_at": found.last_period_end or started,
+                "next_sequence": found.next_sequence,
+                "last_cumulative": found.cumulative,
+                "cancel_requested": True,
+                "cancel_reason": why,
+                "running_since": now if rec.chain_state == JobState.RUNNING else None,
+            }
+        )
+        if found.scheduler_job_id is not None:
+            workflow.upsert_search_attributes([SA_SCHEDULER_JOB.value_set(found.scheduler_job_id)])
+
+    async def _park(self, why: str) -> None:
+        """Wait for an operator: the job cannot make progress on its own (alerted through ``VeJobState``)."""
+        self.c = self.c.model_copy(update={"parked": why})
+        workflow.upsert_search_attributes([SA_STATE.value_set(PARKED)])
+        await workflow.execute_activity(
+            "park_job",
+            ParkInput(
+                job_id=self.job.job_id,
+                cluster_id=self.c.cluster_id,
+                state=self.c.state,
+                reason=why,
+                scheduler_job_id=self.c.scheduler_job_id,
+            ),
+            start_to_close_timeout=timedelta(seconds=60),
+            retry_policy=self._retry(unlimited=True),
+        )
+        await workflow.wait_condition(lambda: self.c.parked is None)
+        workflow.upsert_search_attributes([SA_STATE.value_set(self.c.state.value)])
+
+    async def _until_done(self, what: str, step: Callable[[], Awaitable[None]]) -> None:
+        """Run a step of the finish path until it succeeds, parking the job after each failure for good."""
+        while True:
+            try:
+                await step()
+                return
+            except ActivityError as err:
+                if _is_cancel(err):  # a workflow cancel while finishing: finishing is what it asks for
+                    self._on_workflow_cancel()
+                    continue
+                await self._park(f"{what} could not be sent: {_cause(err)}"[:1000])
+
     async def _route_and_submit(self) -> None:
         if self.c.cancel_requested:
-            await self._finish(JobState.CANCELLED, self.c.cancel_reason)
+            await self._close_unsubmitted()
             return
         outcome: RouteOutcome = await workflow.execute_activity(
             "route_job",
@@ -168,8 +329,10 @@ class HPCJobWorkflow:
             self.c = self.c.model_copy(update={"cluster_id": outcome.cluster_id})
             self._follow_cluster()
         if self.c.cancel_requested:
-            await self._finish(JobState.CANCELLED, self.c.cancel_reason)
+            await self._close_unsubmitted()
             return
+        if self.v2:
+            self.c = self.c.model_copy(update={"submit_started": True})
         try:
             submitted: SubmitOutput = await workflow.execute_activity(
                 "submit_job",
@@ -187,18 +350,45 @@ class HPCJobWorkflow:
                 heartbeat_timeout=SHORT_HEARTBEAT,
                 retry_policy=self._retry(),
                 result_type=SubmitOutput,
+                # A cancelled submit may still be creating the job: wait until the attempt has really ended, so
+                # the lookup that follows finds what it created.
+                cancellation_type=(
+                    ActivityCancellationType.WAIT_CANCELLATION_COMPLETED
+                    if self.v2
+                    else ActivityCancellationType.TRY_CANCEL
+                ),
             )
         except ActivityError as err:
+            if self.v2 and _is_cancel(err):
+                raise  # a workflow cancel during the submit: the caller cancels, looking the job up first
             recovered = await self._recover_submission(err)
             if recovered is None:
                 await self._finish(JobState.FAILED, f"submission failed: {_cause(err)}")
                 return
             submitted = recovered
-        self.c = self.c.model_copy(
-            update={"scheduler_job_id": submitted.scheduler_job_id, "submitted_at": workflow.now()}
-        )
-        workflow.upsert_search_attributes([SA_SCHEDULER_JOB.value_set(submitted.scheduler_job_id)])
+        self._adopt(submitted.scheduler_job_id)
         await self._transition(JobState.QUEUED, LifecycleEvent.SUBMITTED, "accepted by the scheduler")
+
+    def _adopt(self, scheduler_job_id: str) -> None:
+        self.c = self.c.model_copy(
+            update={"scheduler_job_id": scheduler_job_id, "submitted_at": workflow.now()}
+        )
+        workflow.upsert_search_attributes([SA_SCHEDULER_JOB.value_set(scheduler_job_id)])
+
+    async def _close_unsubmitted(self) -> None:
+        """Cancelled (or closing after an error) before the job had a scheduler id.
+
+        A submit that was already under way may have created the job: look it up first; if it exists, the watch
+        loop cancels it and finishes the job with its usage. Otherwise the job ends here, never having run.
+        """
+        if self.v2 and self.c.submit_started:
+            found = await self._find_submitted()
+            self.c = self.c.model_copy(update={"submit_started": False})
+            if found is not None:
+                self._adopt(found)
+                return
+        final = JobState.FAILED if self.c.closing_error else JobState.CANCELLED
+        await self._finish(final, self.c.closing_error or self.c.cancel_reason)
 
     async def _recover_submission(self, err: ActivityError) -> SubmitOutput | None:
         """The scheduler job one of the failed submit attempts created, if any.
@@ -211,6 +401,12 @@ class HPCJobWorkflow:
         """
         if _refused(err) or not workflow.patched(PATCH_RECOVER_SUBMISSION):
             return None
+        found = await self._find_submitted()
+        if found is None:
+            return None
+        return SubmitOutput(scheduler_job_id=found, adopted=True)
+
+    async def _find_submitted(self) -> str | None:
         found: FindOutput = await workflow.execute_activity(
             "find_job",
             FindInput(
@@ -222,9 +418,7 @@ class HPCJobWorkflow:
             retry_policy=self._retry(unlimited=True),
             result_type=FindOutput,
         )
-        if found.scheduler_job_id is None:
-            return None
-        return SubmitOutput(scheduler_job_id=found.scheduler_job_id, adopted=True)
+        return found.scheduler_job_id
 
     def _follow_cluster(self) -> None:
         """Routing moved the job to another cluster: send its scheduler activities (submit, watch, cancel, usage)
@@ -244,7 +438,7 @@ class HPCJobWorkflow:
 
     async def _watch_once(self) -> None:
         assert self.c.scheduler_job_id is not None
-        if self.c.cancel_requested and not self.c.cancel_sent:
+        if self._cancel_due():
             await self._send_cancel(self.c.cancel_reason)
             if self.c.state.final:
                 return
@@ -253,18 +447,11 @@ class HPCJobWorkflow:
         if deadline is not None and now >= deadline:
             await self._enforce_deadline()
             return
-        return_by = now + timedelta(seconds=self.settings.max_watch_seconds)
-        due = self._report_due()
-        report: UsageInput | None = None
-        if due is not None:
-            if now >= due:
-                await self._report_usage(final=False)
-                return
-            return_by = min(return_by, due)
-            if (deadline is None or due <= deadline) and workflow.patched(PATCH_USAGE_IN_WATCH):
-                report = self._usage_input(final=False)
-        if deadline is not None:
-            return_by = min(return_by, deadline)
+        plan = self._watch_plan(now, deadline)
+        if plan is None:
+            await self._report_usage(final=False)
+            return
+        return_by, report = plan
         request = WatchInput(
             job_id=self.job.job_id,
             cluster_id=self.c.cluster_id,
@@ -286,23 +473,57 @@ class HPCJobWorkflow:
             retry_policy=self._retry(unlimited=True),
             result_type=WatchOutput,
         )
-        await workflow.wait_condition(
-            lambda: handle.done() or (self.c.cancel_requested and not self.c.cancel_sent)
-        )
-        if not handle.done():
-            handle.cancel()
-            try:
-                await handle
-            except (ActivityError, BaseException):  # cancelled watch: nothing to apply
-                return
+        result = await self._await_watch(handle)
+        if result is None:
             return
-        result: WatchOutput = await handle
         if result.missing_since != self.c.missing_since:
             self.c = self.c.model_copy(update={"missing_since": result.missing_since})
         if result.usage is not None:
             self._record_sent(result.usage)
         if result.changed:
             await self._apply(result.status)
+
+    def _watch_plan(
+        self, now: datetime, deadline: datetime | None
+    ) -> tuple[datetime, UsageInput | None] | None:
+        """Until when the next watch runs and the report it carries; None when a report is due right now."""
+        return_by = now + timedelta(seconds=self.settings.max_watch_seconds)
+        due = self._report_due()
+        report: UsageInput | None = None
+        if due is not None:
+            if now >= due:
+                return None
+            return_by = min(return_by, due)
+            if (deadline is None or due <= deadline) and workflow.patched(PATCH_USAGE_IN_WATCH):
+                report = self._usage_input(final=False)
+        if deadline is not None:
+            return_by = min(return_by, deadline)
+        if self.c.cancel_requested and not self.c.cancel_sent and self.c.cancel_retry_at is not None:
+            return_by = max(min(return_by, self.c.cancel_retry_at), now)
+        return return_by, report
+
+    async def _await_watch(self, handle: workflow.ActivityHandle[WatchOutput]) -> WatchOutput | None:
+        """The watch's answer, or None when a cancel request cut it short."""
+        try:
+            await workflow.wait_condition(lambda: handle.done() or self._cancel_due())
+        except asyncio.CancelledError:
+            if self.v2:
+                handle.cancel()  # the workflow itself was cancelled: stop watching, the caller cancels the job
+            raise
+        if handle.done():
+            return await handle
+        handle.cancel()
+        if self.v2:
+            try:
+                await handle
+            except ActivityError:  # cancelled watch: nothing to apply (a workflow cancel still propagates)
+                return None
+            return None
+        try:
+            await handle
+        except (ActivityError, BaseException):  # cancelled watch: nothing to apply
+            return None
+        return None
 
     async def _apply(self, status: NativeStatus) -> None:
         if not status.found:
@@ -314,7 +535,10 @@ class HPCJobWorkflow:
             return
         target = status.state
         message = status.reason or status.native_state
-        if target.final and self.c.forced_final is not None:
+        # A final state the provider imposes (deadline, closing after an error) replaces the "cancelled" its own
+        # cancel caused; since 0.3 a job that ended on its own first keeps the state it really ended in.
+        imposed = target == JobState.CANCELLED or not self.v2
+        if target.final and self.c.forced_final is not None and imposed:
             target, message = self.c.forced_final, self.c.forced_message
         elif target == JobState.CANCELLED and self.c.cancel_requested:
             message = self.c.cancel_reason or message
@@ -328,7 +552,8 @@ class HPCJobWorkflow:
                 self.c = self.c.model_copy(update={"exit_code": status.exit_code})
                 await self._finish(step, message)
                 return
-            await self._transition(step, lifecycle_event(self.c.state, step), message)
+            began = status.start_time if self.c.state != JobState.SUSPENDED else None
+            await self._transition(step, lifecycle_event(self.c.state, step), message, began=began)
 
     async def _finish(self, final: JobState, message: str, *, partial: bool = False) -> None:
         """Close the job: final usage record and accounting (if it ran), then the terminal status.
@@ -336,15 +561,27 @@ class HPCJobWorkflow:
         ``partial``: the scheduler cannot give final accounting (the job vanished, or we closed it at a deadline),
         so the last reading closes the records.
         """
-        if (
-            self.c.scheduler_job_id is not None
-            and self.c.started_at is not None
-            and self.settings.usage_enabled
-        ):
-            await self._report_usage(final=True, final_state=final, partial=partial)
-        await self._transition(final, lifecycle_event(self.c.state, final), message)
+        ran = self.c.scheduler_job_id is not None and self.c.started_at is not None
+        if not self.v2:
+            if ran and self.settings.usage_enabled:
+                await self._report_usage(final=True, final_state=final, partial=partial)
+            await self._transition(final, lifecycle_event(self.c.state, final), message)
+            return
+        if ran:  # with usage reporting off too: the job settles on its final accounting
 
-    async def _transition(self, new: JobState, event: LifecycleEvent | None, message: str) -> None:
+            async def final_usage() -> None:
+                await self._report_usage(final=True, final_state=final, partial=partial)
+
+            await self._until_done("the final usage record and accounting", final_usage)
+
+        async def terminal_report() -> None:
+            await self._transition(final, lifecycle_event(self.c.state, final), message)
+
+        await self._until_done(f"the terminal status ({final.value})", terminal_report)
+
+    async def _transition(
+        self, new: JobState, event: LifecycleEvent | None, message: str, *, began: datetime | None = None
+    ) -> None:
         old = self.c.state
         await workflow.execute_activity(
             "report_transition",
@@ -364,6 +601,26 @@ class HPCJobWorkflow:
         )
         self.c = self.c.model_copy(update={"state": new, "status_message": message})
         workflow.upsert_search_attributes([SA_STATE.value_set(new.value)])
+        if self.v2:
+            self._track_run_time(old, new, began)
+
+    def _track_run_time(self, old: JobState, new: JobState, began: datetime | None) -> None:
+        """Keep the time the job has run, for its walltime: suspended time does not count, a requeue (the
+        scheduler starts the job over with a fresh time limit) starts the count again."""
+        now = workflow.now()
+        run_seconds, since = self.c.run_seconds, self.c.running_since
+        if old == JobState.RUNNING and since is not None:
+            run_seconds += max(0.0, (now - since).total_seconds())
+            since = None
+        if new == JobState.RUNNING:
+            since = began if began is not None and began <= now else now
+        queued_since = self.c.queued_since
+        if new == JobState.QUEUED:
+            queued_since = now
+            run_seconds = 0.0
+        self.c = self.c.model_copy(
+            update={"run_seconds": run_seconds, "running_since": since, "queued_since": queued_since}
+        )
 
     async def _report_usage(
         self, *, final: bool, final_state: JobState | None = None, partial: bool = False
@@ -380,6 +637,8 @@ class HPCJobWorkflow:
                 result_type=UsageOutput,
             )
         except ActivityError:
+            if final and self.v2:
+                raise  # the job cannot settle without it: the finish path parks it
             # retry_on_failure is off and the attempts ran out: the next record covers this period too.
             self.c = self.c.model_copy(update={"last_report_at": workflow.now()})
             return
@@ -434,9 +693,41 @@ class HPCJobWorkflow:
                 retry_policy=self._retry(),
             )
         except ActivityError as err:
-            workflow.logger.warning("cancel of %s failed, will retry: %s", self.job.job_id, _cause(err))
+            if not self.v2 or _is_cancel(err):
+                workflow.logger.warning("cancel of %s failed, will retry: %s", self.job.job_id, _cause(err))
+                return
+            if _for_good(err):
+                await self._park(
+                    f"the scheduler refuses to cancel job {self.c.scheduler_job_id}: {_cause(err)}"
+                )
+                self.c = self.c.model_copy(update={"cancel_retry_at": None})
+                return
+            failures = self.c.cancel_failures + 1
+            backoff = min(
+                CANCEL_BACKOFF_CAP,
+                timedelta(seconds=self.settings.retry.max_backoff_seconds * 2 ** min(failures - 1, 10)),
+            )
+            workflow.logger.warning(
+                "cancel of %s failed %d times, next try in %s: %s",
+                self.job.job_id,
+                failures,
+                backoff,
+                _cause(err),
+            )
+            self.c = self.c.model_copy(
+                update={"cancel_failures": failures, "cancel_retry_at": workflow.now() + backoff}
+            )
             return
-        self.c = self.c.model_copy(update={"cancel_sent": True})
+        self.c = self.c.model_copy(
+            update={"cancel_sent": True, "cancel_failures": 0, "cancel_retry_at": None}
+        )
+
+    def _cancel_due(self) -> bool:
+        """A cancel should go out now: asked for, not yet sent, and not waiting out a backoff."""
+        if not self.c.cancel_requested or self.c.cancel_sent:
+            return False
+        retry_at = self.c.cancel_retry_at
+        return retry_at is None or workflow.now() >= retry_at
 
     async def _enforce_deadline(self) -> None:
         grace = self.c.deadline_grace_until
@@ -444,7 +735,9 @@ class HPCJobWorkflow:
             # Cancelled at the deadline, and the scheduler still has not said it ended: close it ourselves.
             await self._finish(JobState.TIMEOUT, self.c.forced_message, partial=True)
             return
-        if self.c.started_at is None:
+        if self.v2 and self.c.state != JobState.RUNNING:
+            why = f"not started within max_queue_wait ({self.settings.max_queue_wait_seconds or 0:.0f} s)"
+        elif self.c.started_at is None:
             why = (
                 f"not started within job_timeout_default ({self.settings.job_timeout_default_seconds:.0f} s)"
             )
@@ -462,12 +755,29 @@ class HPCJobWorkflow:
     def _deadline(self) -> datetime | None:
         if self.c.deadline_grace_until is not None:
             return self.c.deadline_grace_until
+        if self.v2:
+            return self._deadline_v2()
         if self.c.started_at is not None:
             return self.c.started_at + timedelta(
                 seconds=self.job.walltime_seconds + self.settings.walltime_grace_seconds
             )
         if self.c.submitted_at is not None:
             return self.c.submitted_at + timedelta(seconds=self.settings.job_timeout_default_seconds)
+        return None
+
+    def _deadline_v2(self) -> datetime | None:
+        """Walltime counts only running time (a suspended job has no deadline); a queue wait is limited only
+        when ``max_queue_wait`` is set."""
+        if self.c.state == JobState.RUNNING:
+            since = self.c.running_since or self.c.started_at
+            if since is None:
+                return None
+            left = self.job.walltime_seconds + self.settings.walltime_grace_seconds - self.c.run_seconds
+            return since + timedelta(seconds=max(0.0, left))
+        limit = self.settings.max_queue_wait_seconds
+        if limit is not None and self.c.state in (JobState.QUEUED, JobState.STARTING):
+            since = self.c.queued_since or self.c.submitted_at
+            return None if since is None else since + timedelta(seconds=limit)
         return None
 
     def _report_due(self) -> datetime | None:
@@ -501,6 +811,23 @@ def _refused(err: ActivityError) -> bool:
     while isinstance(cause, ActivityError) and cause.cause is not None:
         cause = cause.cause
     return isinstance(cause, ApplicationError) and cause.non_retryable and cause.type in _NON_RETRYABLE
+
+
+def _is_cancel(err: ActivityError) -> bool:
+    """The activity ended because the workflow was cancelled while it waited on it."""
+    return isinstance(err.cause, CancelledError)
+
+
+def _for_good(err: ActivityError) -> bool:
+    """True when the activity's last error was non-retryable: trying again the same way cannot help."""
+    cause = err.cause
+    while isinstance(cause, ActivityError) and cause.cause is not None:
+        cause = cause.cause
+    return isinstance(cause, ApplicationError) and cause.non_retryable
+
+
+def _activity_of(err: ActivityError) -> str:
+    return err.activity_type or "a step"
 
 
 def _cause(err: ActivityError) -> str:

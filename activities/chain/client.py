@@ -104,6 +104,10 @@ class ChainClient(Protocol):
 
     async def get_usage_record(self, record_id: str) -> UsageRecord | None: ...
 
+    async def job_usage_records(self, job_id: str) -> list[UsageRecord]:
+        """A job's stored records in sequence order (a recovery run continues from the last one)."""
+        ...
+
     async def report_accounting(self, report: AccountingReport) -> Settlement:
         """Record the final accounting of a finished job and settle it from escrow (once)."""
         ...

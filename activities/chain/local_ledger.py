@@ -1250,6 +1250,9 @@ class LocalLedger:
             ).fetchall()
         return [UsageRecord.model_validate_json(r["data"]) for r in rows]
 
+    async def job_usage_records(self, job_id: str) -> list[UsageRecord]:
+        return await asyncio.to_thread(self.usage_records, job_id)
+
     # ---- accounting and settlement -------------------------------------------------------------------------
 
     @staticmethod

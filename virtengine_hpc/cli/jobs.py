@@ -8,7 +8,14 @@ import asyncio
 from virtengine_hpc.cli.common import config_from_args, print_json
 from virtengine_hpc.config import Config
 from virtengine_hpc.errors import ValidationError
-from virtengine_hpc.messages import JOB_WORKFLOW_NAME, CancelRequest, JobResult, JobStatusView
+from virtengine_hpc.messages import (
+    JOB_WORKFLOW_NAME,
+    PARKED,
+    CancelRequest,
+    JobResult,
+    JobStatusView,
+    RetryRequest,
+)
 from virtengine_hpc.states import JobState
 
 
@@ -16,7 +23,9 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     jobs = sub.add_parser("jobs", help="list, inspect and cancel job workflows")
     jsub = jobs.add_subparsers(dest="action", metavar="ACTION", required=True)
     ls = jsub.add_parser("list", help="job workflows, newest first")
-    ls.add_argument("--state", choices=[s.value for s in JobState])
+    ls.add_argument(
+        "--state", choices=[*(s.value for s in JobState), PARKED], help="parked: waiting for an operator"
+    )
     ls.add_argument("--cluster")
     ls.add_argument("--limit", type=int, default=50)
     ls.set_defaults(func=lambda a: asyncio.run(_list(config_from_args(a), a)))
@@ -30,12 +39,20 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     cancel.add_argument("job_id")
     cancel.add_argument("--reason", default="cancelled by the provider operator")
     cancel.set_defaults(func=lambda a: asyncio.run(_cancel(config_from_args(a), a.job_id, a.reason)))
+    retry = jsub.add_parser(
+        "retry",
+        help="try the step that parked a job again, once its cause is fixed (refused if the job is not parked)",
+    )
+    retry.add_argument("job_id")
+    retry.add_argument("--note", default="", help="why it is retried (kept in the workflow's history)")
+    retry.set_defaults(func=lambda a: asyncio.run(_retry(config_from_args(a), a.job_id, a.note)))
 
 
 def visibility_query(state: str | None, cluster: str | None) -> str:
     parts = [f"WorkflowType = '{JOB_WORKFLOW_NAME}'"]
     if state:
-        parts.append(f"VeJobState = '{JobState(state).value}'")
+        value = PARKED if state == PARKED else JobState(state).value
+        parts.append(f"VeJobState = '{value}'")
     if cluster:
         if not cluster.replace("-", "").replace("_", "").replace(".", "").isalnum():
             raise ValidationError(f"bad cluster id {cluster!r}")
@@ -91,6 +108,23 @@ async def _cancel(config: Config, job_id: str, reason: str) -> int:
     try:
         view = await client.get_workflow_handle(job_id).execute_update(
             "request_cancel", CancelRequest(reason=reason), result_type=JobStatusView
+        )
+    except WorkflowUpdateFailedError as exc:
+        print(f"error: {exc.cause}")
+        return 1
+    print_json(view)
+    return 0
+
+
+async def _retry(config: Config, job_id: str, note: str) -> int:
+    from temporalio.client import WorkflowUpdateFailedError
+
+    from workers.wiring import connect
+
+    client = await connect(config)
+    try:
+        view = await client.get_workflow_handle(job_id).execute_update(
+            "retry_parked", RetryRequest(note=note), result_type=JobStatusView
         )
     except WorkflowUpdateFailedError as exc:
         print(f"error: {exc.cause}")

@@ -29,10 +29,10 @@ from typing import Any, TextIO
 from virtengine_hpc.cli.common import config_from_args
 from virtengine_hpc.config import Config
 from virtengine_hpc.errors import HPCError
-from virtengine_hpc.messages import JOB_WORKFLOW_NAME
+from virtengine_hpc.messages import JOB_WORKFLOW_NAME, PARKED
 from virtengine_hpc.states import JobState
 
-ACTIVE = [s.value for s in JobState if not s.final]
+ACTIVE = [*(s.value for s in JobState if not s.final), PARKED]
 FINAL = [s.value for s in JobState if s.final]
 NODE_STATES = ["pending", "active", "stale", "offline", "draining", "drained", "deregistered"]
 VIOLATIONS = {

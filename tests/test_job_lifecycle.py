@@ -1,0 +1,464 @@
+"""No job left behind: every exit of a job's workflow ends the job on chain, its scheduler job stopped.
+
+Each test drives a real workflow on the real dev server (in-memory scheduler, LocalLedger) through an exit that used
+to leave the chain job open or the scheduler job running: a Temporal cancel (the Web UI's Cancel button), a step
+that fails for good, a cancel the scheduler keeps refusing, accounting that cannot be sent (parked for an operator),
+time the site suspended or requeued the job, a long queue, usage reporting switched off, and the reconciler's
+recovery run after an operator terminated a workflow.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+from temporalio.client import Client, WorkflowExecutionStatus, WorkflowUpdateFailedError
+from temporalio.common import WorkflowIDConflictPolicy, WorkflowIDReusePolicy
+
+from activities.chain.client import AccountingReport, Settlement, StatusReport
+from activities.chain.local_ledger import LocalLedger
+from tests.conftest import make_config
+from tests.memory_adapter import MemoryAdapter, Script
+from tests.pipeline_harness import TENANT, Pipeline, running_pipeline
+from virtengine_hpc.errors import ChainError, SchedulerError, SchedulerUnavailable
+from virtengine_hpc.messages import (
+    JOB_WORKFLOW_NAME,
+    JobResult,
+    JobStatusView,
+    JobWorkflowInput,
+    Recovery,
+    RetryRequest,
+)
+from virtengine_hpc.models import JobSpec
+from virtengine_hpc.states import JobState
+from workers.wiring import job_settings
+from workflows.hpc_job import initial_search_attributes
+
+Q, R, S, C = JobState.QUEUED, JobState.RUNNING, JobState.SUSPENDED, JobState.COMPLETED
+CANCELLED, FAILED, TIMEOUT = JobState.CANCELLED, JobState.FAILED, JobState.TIMEOUT
+
+
+class FaultyChain:
+    """The ledger, with chosen calls failing the way a real chain can refuse them."""
+
+    def __init__(self, ledger: LocalLedger) -> None:
+        self.ledger = ledger
+        self.refuse_status: dict[JobState, ChainError] = {}
+        self.refuse_accounting: ChainError | None = None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.ledger, name)
+
+    async def report_status(self, report: StatusReport) -> None:
+        refusal = self.refuse_status.get(report.state)
+        if refusal is not None:
+            raise refusal
+        await self.ledger.report_status(report)
+
+    async def report_accounting(self, report: AccountingReport) -> Settlement:
+        if self.refuse_accounting is not None:
+            raise self.refuse_accounting
+        return await self.ledger.report_accounting(report)
+
+
+@dataclass
+class StubbornScheduler(MemoryAdapter):
+    """A scheduler whose cancel fails (``cancel_error``) until told otherwise; it counts every attempt."""
+
+    cancel_error: Exception | None = None
+    cancel_attempts: list[float] = field(default_factory=list)
+
+    async def cancel(self, scheduler_job_id: str) -> None:
+        self.cancel_attempts.append(time.monotonic())
+        if self.cancel_error is not None:
+            raise self.cancel_error
+        await super().cancel(scheduler_job_id)
+
+
+def new_config(tmp_path: Path, **hpc: Any) -> Any:
+    return make_config(tmp_path, hpc={"cluster_id": f"c-{uuid.uuid4().hex[:8]}", **hpc})
+
+
+@pytest.fixture
+async def faulty(client: Client, tmp_path: Path, key_path: Path, task_queue: str) -> AsyncIterator[Pipeline]:
+    async with running_pipeline(
+        client, new_config(tmp_path), key_path, StubbornScheduler(), task_queue, chain=FaultyChain
+    ) as p:
+        yield p
+
+
+def sched(p: Pipeline) -> StubbornScheduler:
+    assert isinstance(p.adapter, StubbornScheduler)
+    return p.adapter
+
+
+def chain(p: Pipeline) -> FaultyChain:
+    assert isinstance(p.poller.chain, FaultyChain)
+    return p.poller.chain
+
+
+async def status(p: Pipeline, job_id: str) -> JobStatusView:
+    return await p.handle(job_id).query("status", result_type=JobStatusView)
+
+
+async def wait_for(p: Pipeline, job_id: str, check: Any, timeout: float = 30) -> JobStatusView:
+    deadline = time.monotonic() + timeout
+    while True:
+        await p.poller.poll_once()
+        try:
+            view = await status(p, job_id)
+            if check(view):
+                return view
+        except Exception:
+            pass
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{job_id}: condition not reached in {timeout}s")
+        await asyncio.sleep(0.2)
+
+
+def live_jobs_of(scheduler: MemoryAdapter, workflow_id: str) -> list[str]:
+    """Scheduler jobs of a workflow that still hold (or will hold) the cluster: not ended, not cancelled."""
+    live = []
+    for jid, job in scheduler.jobs.items():
+        state, _ = scheduler._state(job)
+        if job.workflow_id == workflow_id and not state.final:
+            live.append(jid)
+    return live
+
+
+async def closed(p: Pipeline, job_id: str, timeout: float = 60) -> WorkflowExecutionStatus:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        await p.poller.poll_once()
+        desc = await p.handle(job_id).describe()
+        if desc.status != WorkflowExecutionStatus.RUNNING:
+            assert desc.status is not None
+            return desc.status
+        await asyncio.sleep(0.2)
+    raise AssertionError(f"workflow {job_id} still open after {timeout}s")
+
+
+async def spec_of(p: Pipeline, job_id: str) -> JobSpec:
+    chain_job = await p.ledger.get_job(job_id)
+    assert chain_job is not None
+    return JobSpec.model_validate(chain_job.raw_spec)
+
+
+# ---- Temporal cancel (the Web UI's Cancel button) ---------------------------------------------------------------
+
+
+async def test_temporal_cancel_of_a_running_job_cancels_it_everywhere_and_settles(faulty: Pipeline) -> None:
+    sched(faulty).default = Script([(0, Q), (0.2, R), (600, C)])
+    job_id = faulty.submit()
+    await wait_for(faulty, job_id, lambda v: v.state == R)
+    await asyncio.sleep(1.0)  # let it run a little: it is billed for that
+
+    await faulty.handle(job_id).cancel()
+
+    assert await closed(faulty, job_id) == WorkflowExecutionStatus.COMPLETED
+    result: JobResult = await faulty.handle(job_id).result()
+    assert result.state == CANCELLED
+    job = faulty.ledger.job(job_id)
+    assert job is not None and job.state == CANCELLED
+    assert "Temporal workflow cancel" in job.status_message
+    assert sched(faulty).cancels == [result.scheduler_job_id]
+    assert live_jobs_of(sched(faulty), job_id) == []
+    records = faulty.ledger.usage_records(job_id)
+    assert records and records[-1].is_final and [r.is_final for r in records].count(True) == 1
+    settlement = faulty.ledger.settlement(job_id)
+    assert settlement is not None and settlement.charged > 0
+
+
+async def test_temporal_cancel_while_the_submit_is_under_way_leaves_no_scheduler_job(
+    faulty: Pipeline,
+) -> None:
+    sched(faulty).submit_delay = 3.0
+    sched(faulty).default = Script([(0, Q), (600, R)])
+    job_id = faulty.submit()
+    await faulty.wait_started(job_id)
+    await asyncio.sleep(1.0)  # the submit attempt is inside the scheduler call now
+
+    await faulty.handle(job_id).cancel()
+
+    assert await closed(faulty, job_id) == WorkflowExecutionStatus.COMPLETED
+    await asyncio.sleep(3.0)  # anything the attempt was still doing has had the time to land
+    assert live_jobs_of(sched(faulty), job_id) == [], "no scheduler job of the cancelled workflow may run on"
+    job = faulty.ledger.job(job_id)
+    assert job is not None and job.state == CANCELLED
+    assert faulty.ledger.balance(TENANT) == 100000, "a job that never ran is refunded in full"
+
+
+# ---- a step that fails for good ----------------------------------------------------------------------------------
+
+
+async def test_a_status_report_refused_for_good_closes_the_job_as_failed_and_stops_it(
+    faulty: Pipeline,
+) -> None:
+    sched(faulty).default = Script([(0, Q), (600, R)])
+    chain(faulty).refuse_status[Q] = ChainError("chain refuses the transition", transient=False)
+    job_id = faulty.submit()
+
+    assert await closed(faulty, job_id) == WorkflowExecutionStatus.COMPLETED, "the workflow does not fail"
+    job = faulty.ledger.job(job_id)
+    assert job is not None and job.state == FAILED
+    assert "report_transition failed" in job.status_message and "refuses" in job.status_message
+    assert live_jobs_of(sched(faulty), job_id) == [], "the scheduler job it had submitted is cancelled"
+
+
+async def test_a_routing_step_that_fails_for_good_fails_the_job_on_chain(
+    client: Client, tmp_path: Path, key_path: Path, task_queue: str
+) -> None:
+    config = new_config(tmp_path)
+    async with running_pipeline(client, config, key_path, MemoryAdapter(), task_queue) as p:
+        # A cluster this worker has no adapter for: route_job raises ConfigError (non-retryable).
+        job_id = p.submit(decide=False)
+        other = f"elsewhere-{uuid.uuid4().hex[:6]}"
+        inp = JobWorkflowInput(
+            job=await spec_of(p, job_id),
+            cluster_id=other,
+            provider=config.provider.address,
+            settings=job_settings(config),
+        )
+        handle = await client.start_workflow(
+            JOB_WORKFLOW_NAME,
+            inp,
+            id=job_id,
+            task_queue=task_queue,
+            search_attributes=initial_search_attributes(inp),
+            result_type=JobResult,
+        )
+        result = await asyncio.wait_for(handle.result(), 60)
+        assert result.state == FAILED and "route_job failed" in result.message
+        job = p.ledger.job(job_id)
+        assert job is not None and job.state == FAILED and "no scheduler adapter" in job.status_message
+
+
+# ---- cancels that fail -------------------------------------------------------------------------------------------
+
+
+async def test_a_failing_cancel_backs_off_instead_of_looping(faulty: Pipeline) -> None:
+    sched(faulty).default = Script([(0, Q), (0.2, R), (600, C)])
+    sched(faulty).cancel_error = SchedulerUnavailable("Unable to contact slurm controller")
+    job_id = faulty.submit()
+    await wait_for(faulty, job_id, lambda v: v.state == R)
+    await faulty.handle(job_id).execute_update(
+        "request_cancel", {"reason": "tenant"}, result_type=JobStatusView
+    )
+    await asyncio.sleep(8.0)
+    attempts = list(sched(faulty).cancel_attempts)
+    # Three attempts per round (max_retries 2), rounds 0.5 s, 1 s, 2 s, 4 s apart: at most 4 rounds in 8 s.
+    assert 3 <= len(attempts) <= 12, f"{len(attempts)} cancel attempts in 8 s"
+    sched(faulty).cancel_error = None
+    result = await asyncio.wait_for(faulty.handle(job_id).result(), 60)
+    assert result.state == CANCELLED
+
+
+async def test_a_cancel_the_scheduler_refuses_for_good_parks_the_job_until_an_operator_retries(
+    faulty: Pipeline,
+) -> None:
+    sched(faulty).default = Script([(0, Q), (0.2, R), (600, C)])
+    sched(faulty).cancel_error = SchedulerError("scancel: Invalid job id specified", transient=False)
+    job_id = faulty.submit()
+    await wait_for(faulty, job_id, lambda v: v.state == R)
+    await faulty.handle(job_id).execute_update(
+        "request_cancel", {"reason": "tenant"}, result_type=JobStatusView
+    )
+
+    view = await wait_for(faulty, job_id, lambda v: v.parked is not None)
+    assert "refuses to cancel" in (view.parked or "")
+    tries = len(sched(faulty).cancel_attempts)
+    await asyncio.sleep(2.0)
+    assert len(sched(faulty).cancel_attempts) == tries, "a parked job does not keep trying"
+    assert faulty.audit_events("job_parked", job_id)
+
+    sched(faulty).cancel_error = None
+    await faulty.handle(job_id).execute_update(
+        "retry_parked", RetryRequest(note="fixed"), result_type=JobStatusView
+    )
+    result = await asyncio.wait_for(faulty.handle(job_id).result(), 60)
+    assert result.state == CANCELLED
+
+
+# ---- accounting that cannot be sent ------------------------------------------------------------------------------
+
+
+async def test_accounting_that_cannot_be_sent_parks_the_job_visibly_and_a_retry_settles_it(
+    faulty: Pipeline,
+) -> None:
+    sched(faulty).default = Script([(0, Q), (0.2, R), (1.5, C)], exit_code=0)
+    chain(faulty).refuse_accounting = ChainError("accounting rejected: totals mismatch", transient=False)
+    job_id = faulty.submit()
+
+    view = await wait_for(faulty, job_id, lambda v: v.parked is not None)
+    assert "final usage record and accounting" in (view.parked or "") and "totals mismatch" in (
+        view.parked or ""
+    )
+    job = faulty.ledger.job(job_id)
+    assert job is not None and not job.state.final, "not reported final before it settles"
+    query = f"WorkflowId = '{job_id}' AND VeJobState = 'parked'"
+    for _ in range(50):
+        if [w.id async for w in faulty.client.list_workflows(query)]:
+            break
+        await asyncio.sleep(0.2)
+    else:
+        raise AssertionError("a parked job is not listed under VeJobState = 'parked'")
+    [parked] = faulty.audit_events("job_parked", job_id)
+    assert "totals mismatch" in parked["error_msg"]
+
+    chain(faulty).refuse_accounting = None
+    await faulty.handle(job_id).execute_update("retry_parked", RetryRequest(), result_type=JobStatusView)
+    result = await asyncio.wait_for(faulty.handle(job_id).result(), 60)
+    assert result.state == C and result.charged is not None
+    assert faulty.ledger.settlement(job_id) is not None
+    assert [r.is_final for r in faulty.ledger.usage_records(job_id)].count(True) == 1
+
+
+async def test_retry_of_a_job_that_is_not_parked_is_refused(faulty: Pipeline) -> None:
+    sched(faulty).default = Script([(0, Q), (0.2, R), (600, C)])
+    job_id = faulty.submit()
+    await wait_for(faulty, job_id, lambda v: v.state == R)
+    with pytest.raises(WorkflowUpdateFailedError) as refused:
+        await faulty.handle(job_id).execute_update("retry_parked", RetryRequest(), result_type=JobStatusView)
+    assert "is not parked (running)" in str(refused.value.cause)
+    await faulty.handle(job_id).cancel()
+
+
+# ---- walltime counts running time only; queue waits -------------------------------------------------------------
+
+
+async def test_walltime_excludes_suspended_and_requeued_time(
+    client: Client, tmp_path: Path, key_path: Path, task_queue: str
+) -> None:
+    config = new_config(tmp_path, job_service={"walltime_grace": "1s", "job_poll_interval": "300ms"})
+    scheduler = MemoryAdapter()
+    async with running_pipeline(client, config, key_path, scheduler, task_queue) as p:
+        # walltime 60 s: each job is on the cluster far longer than 61 s, but runs less than that.
+        suspended = p.submit(walltime_seconds=60)
+        requeued = p.submit(walltime_seconds=60)
+        overrun = p.submit(walltime_seconds=60)
+        scheduler.scripts = {
+            suspended: Script([(0, Q), (0.2, R), (20, S), (75, R), (95, C)], exit_code=0),
+            requeued: Script([(0, Q), (0.2, R), (40, Q), (42, R), (95, C)], exit_code=0),
+            overrun: Script([(0, Q), (0.2, R), (600, C)], exit_code=0),
+        }
+        results = await p.run_until_done([suspended, requeued, overrun], timeout=180)
+        assert results[suspended].state == C, results[suspended].message
+        assert results[requeued].state == C, results[requeued].message
+        assert results[overrun].state == TIMEOUT and "walltime" in results[overrun].message
+        assert S in p.states_of(suspended)
+
+
+async def test_a_long_queue_is_not_a_timeout_unless_max_queue_wait_says_so(
+    client: Client, tmp_path: Path, key_path: Path, task_queue: str
+) -> None:
+    config = new_config(tmp_path, job_service={"job_timeout_default": "2s"})
+    scheduler = MemoryAdapter(default=Script([(0, Q)]))
+    async with running_pipeline(client, config, key_path, scheduler, task_queue) as p:
+        job_id = p.submit()
+        await wait_for(p, job_id, lambda v: v.state == Q)
+        await asyncio.sleep(5)
+        assert (await status(p, job_id)).state == Q, "job_timeout_default is no queue-wait limit"
+        assert scheduler.cancels == []
+        await p.handle(job_id).cancel()
+
+    config = new_config(tmp_path / "limited", job_service={"max_queue_wait": "2s"})
+    scheduler = MemoryAdapter(default=Script([(0, Q)]))
+    async with running_pipeline(client, config, key_path, scheduler, task_queue + "-q") as p:
+        job_id = p.submit()
+        results = await p.run_until_done([job_id], timeout=120)
+        assert results[job_id].state == TIMEOUT and "max_queue_wait" in results[job_id].message
+        assert scheduler.cancels, "the provider cancels the job in the scheduler"
+        assert p.ledger.balance(TENANT) == 100000, "a job that never ran costs nothing"
+
+
+# ---- usage reporting off -----------------------------------------------------------------------------------------
+
+
+async def test_with_usage_reporting_off_a_job_that_ran_still_settles(
+    client: Client, tmp_path: Path, key_path: Path, task_queue: str
+) -> None:
+    config = new_config(tmp_path, usage_reporting={"enabled": False})
+    scheduler = MemoryAdapter(default=Script([(0, Q), (0.2, R), (3, C)], exit_code=0))
+    async with running_pipeline(client, config, key_path, scheduler, task_queue) as p:
+        job_id = p.submit()
+        results = await p.run_until_done([job_id])
+        assert results[job_id].state == C
+        records = p.ledger.usage_records(job_id)
+        assert [r.is_final for r in records] == [True], "no period records, exactly one final record"
+        settlement = p.ledger.settlement(job_id)
+        assert settlement is not None and settlement.charged > 0
+
+
+# ---- the reconciler's recovery run -------------------------------------------------------------------------------
+
+
+async def start_recovery(p: Pipeline, job_id: str, reason: str, **fields: Any) -> JobResult:
+    spec = await spec_of(p, job_id)
+    inp = JobWorkflowInput(
+        job=spec,
+        cluster_id=p.cluster_id,
+        provider=p.config.provider.address,
+        settings=job_settings(p.config),
+        recovery=Recovery(reason=reason, chain_state=p.ledger.job(job_id).state, **fields),  # type: ignore[union-attr]
+    )
+    handle = await p.client.start_workflow(
+        JOB_WORKFLOW_NAME,
+        inp,
+        id=job_id,
+        task_queue=p.task_queue,
+        id_reuse_policy=WorkflowIDReusePolicy.ALLOW_DUPLICATE,
+        id_conflict_policy=WorkflowIDConflictPolicy.FAIL,
+        search_attributes=initial_search_attributes(inp),
+        result_type=JobResult,
+    )
+    return await asyncio.wait_for(handle.result(), 60)
+
+
+async def test_recovery_run_after_terminate_stops_the_job_and_continues_its_records(
+    faulty: Pipeline, key_path: Path
+) -> None:
+    sched(faulty).default = Script([(0, Q), (0.2, R), (600, C)])
+    job_id = faulty.submit()
+    await wait_for(faulty, job_id, lambda v: v.state == R and v.usage_records >= 1, timeout=40)
+    before = await status(faulty, job_id)
+    await faulty.handle(job_id).terminate("operator pressed Terminate")
+    assert live_jobs_of(sched(faulty), job_id), "terminate alone leaves the scheduler job running"
+
+    result = await start_recovery(
+        faulty,
+        job_id,
+        "workflow TERMINATED",
+        closed_status="TERMINATED",
+        scheduler_job_id=before.scheduler_job_id,
+    )
+
+    assert result.state == CANCELLED
+    assert live_jobs_of(sched(faulty), job_id) == []
+    job = faulty.ledger.job(job_id)
+    assert job is not None and job.state == CANCELLED and "reconciler" in job.status_message
+    records = faulty.ledger.usage_records(job_id)
+    assert [r.sequence for r in records] == list(range(1, len(records) + 1)), "no gap, no second record 1"
+    assert [r.is_final for r in records].count(True) == 1 and records[-1].is_final
+    assert faulty.ledger.settlement(job_id) is not None
+
+
+async def test_recovery_run_finds_the_scheduler_job_when_the_closed_run_had_no_id(faulty: Pipeline) -> None:
+    sched(faulty).default = Script([(0, Q), (600, R)])
+    sched(faulty).submit_delay = 2.0
+    job_id = faulty.submit()
+    await faulty.wait_started(job_id)
+    await asyncio.sleep(0.5)
+    await faulty.handle(job_id).terminate("terminated during submit")
+    await asyncio.sleep(2.5)  # the attempt that was submitting finishes its call
+
+    result = await start_recovery(faulty, job_id, "workflow TERMINATED", closed_status="TERMINATED")
+
+    assert result.state == CANCELLED
+    assert live_jobs_of(sched(faulty), job_id) == []
+    assert faulty.ledger.job(job_id).state == CANCELLED  # type: ignore[union-attr]
