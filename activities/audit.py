@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from virtengine_hpc.config import AuditConfig
+from virtengine_hpc.files import PRIVATE_MODE, ensure_private
 
 GENESIS_HASH = "0" * 64
 _JWT_LIKE = re.compile(r"eyJ[A-Za-z0-9_-]{8,}\.[A-Za-z0-9_-]{8,}\.[A-Za-z0-9_-]{8,}")
@@ -119,6 +120,12 @@ def _last_line(handle: Any) -> bytes | None:
     return data.rstrip(b"\n") or None
 
 
+def _open_append(path: Path) -> Any:
+    """The log opened for appending; a log rotated away meanwhile is created again with mode 0600."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, PRIVATE_MODE)
+    return os.fdopen(fd, "a+b")
+
+
 class AuditLog:
     """Appends hash-chained audit events; honours the ``hpc.audit`` switches."""
 
@@ -131,7 +138,8 @@ class AuditLog:
         self.path = Path(config.log_path)
         self._lock = threading.Lock()
         if config.enabled:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
+            # Job ids, tenants and reasons of every job: private to the provider's account.
+            ensure_private(self.path)
 
     def enabled_for(self, category: Category) -> bool:
         if not self.config.enabled:
@@ -173,7 +181,7 @@ class AuditLog:
             "error_msg": _scrub(error_msg) if error_msg else None,
             "details": _scrub(dict(details or {})),
         }
-        with self._lock, open(self.path, "a+b") as handle:
+        with self._lock, _open_append(self.path) as handle:
             fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
             try:
                 last = _last_line(handle)

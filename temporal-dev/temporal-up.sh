@@ -39,6 +39,8 @@ sa=()
 for attr in VeJobState VeClusterId VeSchedulerJobId VeTenant VeTemplate VeNodeState; do
   sa+=(--search-attribute "$attr=Keyword")
 done
+# The server's database holds every workflow's history (job scripts included): private to this account.
+umask 077
 nohup "$bin" server start-dev --ip 127.0.0.1 --port "$port" --ui-port "$ui_port" --ui-disable-news-fetch \
   --db-filename "$state/temporal.sqlite" --log-level warn "${sa[@]}" \
   >"$state/server.log" 2>&1 </dev/null &

@@ -49,6 +49,7 @@ from activities.chain.client import (
 )
 from virtengine_hpc.config import Config
 from virtengine_hpc.errors import ChainError, ChainUnavailable, IllegalTransition, SecurityError
+from virtengine_hpc.files import ensure_private
 from virtengine_hpc.models import (
     Cluster,
     Model,
@@ -388,7 +389,9 @@ class LocalLedger:
         self.busy_timeout = busy_timeout
         self._clock = clock or (lambda: datetime.now(UTC))
         self._local = threading.local()
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        # Every job's script and environment is in this file: private to the provider's account (its -wal and
+        # -shm files get the same mode from SQLite).
+        ensure_private(self.path)
         self._init_schema(seconds_per_block, genesis_time or self._now())
 
     @classmethod

@@ -28,6 +28,7 @@ from typing import Any
 from pydantic import Field
 
 from virtengine_hpc.errors import ChainError, ValidationError
+from virtengine_hpc.files import ensure_private
 from virtengine_hpc.models import Model
 from virtengine_hpc.node.heartbeat import NodeCapacity, NodeHealth, NodePlacement
 from virtengine_hpc.node.lifecycle import NodeMetadataUpdate, NodeState, NodeStateChange
@@ -169,7 +170,7 @@ class NodeLedger:
 
     def __init__(self, path: str | Path, *, busy_timeout: float = 10.0) -> None:
         self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        ensure_private(self.path)
         self._lock = threading.Lock()
         self._db = sqlite3.connect(
             self.path, timeout=busy_timeout, isolation_level=None, check_same_thread=False
