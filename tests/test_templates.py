@@ -514,3 +514,47 @@ def test_cli_publish_approve_verify(
         "templates", "render", "gpu-compute", "--param", "command=nvidia-smi", "--gpus", "2", "--full"
     )
     assert code == 0 and "#SBATCH --gres=gpu:2" in out
+
+
+# ---- parameter patterns: linear time ------------------------------------------------------------------------
+
+NESTED = "([a-z0-9]+)+"
+"""Catastrophic for a backtracking engine: ``a`` * n + ``!`` takes about 2^n steps in Python's ``re``."""
+
+
+@pytest.mark.timeout(60)
+async def test_a_nested_quantifier_pattern_refuses_a_hostile_value_at_once(
+    config: Config, ledger: LocalLedger
+) -> None:
+    """40 characters would keep Python's ``re`` (and the worker's event loop) busy for hours; RE2 answers at once
+    and the tenant gets the ordinary refusal."""
+    resolver = TemplateResolver(ledger, AuditLog(config.hpc.audit))
+    publish(
+        ledger,
+        Signer.generate(),
+        entrypoint={"launcher": "direct", "command": ["printf", "%s\\n", "{name}"]},
+        parameters={"name": {"type": "string", "required": True, "pattern": NESTED}},
+    )
+    ledger.approve_template("bob-echo")
+    template = await resolver.template_for(job("bob-echo", {"name": "ok"}))
+    assert check_job(template, job("bob-echo", {"name": "run42"}))  # the pattern still does its job
+    hostile = "a" * 40 + "!"
+    with pytest.raises(ValidationError, match=re.escape(f"parameter name '{hostile}' must match {NESTED}")):
+        check_job(template, job("bob-echo", {"name": hostile}))
+
+
+@pytest.mark.parametrize(
+    ("pattern", "reason"),
+    [
+        (r"(a)\1", "invalid escape sequence"),
+        ("(?=a)a", "invalid perl operator"),
+        ("a{2000}", "invalid repetition size"),
+    ],
+)
+def test_patterns_that_need_backtracking_are_refused_when_the_template_is_read(
+    pattern: str, reason: str
+) -> None:
+    document = custom_document(parameters={"words": {"type": "string", "pattern": pattern}})
+    document["entrypoint"] = {"launcher": "direct", "command": ["printf", "%s\\n", "{words}"]}
+    with pytest.raises(ValueError, match=f"pattern .* is refused: {reason}.*linear time by RE2"):
+        WorkloadTemplate.model_validate(document)

@@ -32,6 +32,7 @@ from virtengine_hpc.signing import (
     public_key_from_b64,
     verify,
 )
+from virtengine_hpc.templates.patterns import compile_pattern
 
 TEMPLATE_DOMAIN = "virtengine-hpc/workload-template/v1"
 """Domain tag of template signatures: a signature over a template can never be replayed as another document."""
@@ -146,7 +147,9 @@ class ParameterSpec(Model):
     required: bool = False
     default: ParamValue | None = None
     pattern: str | None = Field(
-        None, max_length=512, description="Regular expression the whole value must match."
+        None,
+        max_length=512,
+        description="Regular expression (RE2 syntax: no backreferences or lookaround) the whole value must match.",
     )
     choices: tuple[str, ...] = ()
     minimum: Decimal | None = None
@@ -160,10 +163,7 @@ class ParameterSpec(Model):
         if self.type == "string" and self.pattern is None:
             raise ValueError("a string parameter needs a pattern")
         if self.pattern is not None:
-            try:
-                re.compile(self.pattern)
-            except re.error as exc:
-                raise ValueError(f"pattern {self.pattern!r} is not a regular expression: {exc}") from None
+            compile_pattern(self.pattern)  # refused here unless RE2 can match it in linear time
         if self.required and self.default is not None:
             raise ValueError("a required parameter has no default")
         return self

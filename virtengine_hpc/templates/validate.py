@@ -16,6 +16,7 @@ from typing import Any
 from virtengine_hpc.errors import ValidationError
 from virtengine_hpc.models import JobSpec
 from virtengine_hpc.templates.model import ParameterSpec, ParamValue, WorkloadTemplate
+from virtengine_hpc.templates.patterns import full_match
 
 _PATH_RE = re.compile(r"^[A-Za-z0-9._/+-]{1,1023}$")
 _COMMAND_RE = re.compile(r"^[A-Za-z0-9._/+-]{1,255}$")
@@ -134,7 +135,7 @@ def _check_value(
         "image": lambda: _check_image(name, raw, template),
     }
     checks[kind]()
-    if spec.pattern is not None and not re.fullmatch(spec.pattern, raw):
+    if spec.pattern is not None and not full_match(spec.pattern, raw):
         raise ValueError(f"parameter {name} {_show(raw)} must match {spec.pattern}")
     return raw
 
