@@ -7,6 +7,7 @@ import os
 import re
 import socket
 import stat
+import time
 from datetime import UTC, datetime
 from decimal import Decimal
 from pathlib import Path
@@ -277,22 +278,32 @@ async def test_latency_is_measured_by_tcp_connection_set_up() -> None:
 
 def test_the_sequence_survives_a_restart_and_one_agent_holds_it(tmp_path: Path) -> None:
     path = tmp_path / "agent.key.seq"
-    store = SequenceStore(path)
+    clock = [0]
+    store = SequenceStore(path, floor=lambda: clock[0])
     assert [store.next(), store.next(), store.next()] == [1, 2, 3]
     with pytest.raises(ConfigError, match="another hpc-node-agent"):
         SequenceStore(path)
     store.close()
-    again = SequenceStore(path)
+    again = SequenceStore(path, floor=lambda: clock[0])
     assert again.next() == 4, "a restarted agent goes on where it stopped"
-    again.advance_past(10)
-    assert again.next() == 11
-    again.advance_past(5)
-    assert again.next() == 12, "never backwards"
+    clock[0] = 1000
+    assert again.next() == 1000, "never below the clock"
+    clock[0] = 10
+    assert again.next() == 1001, "never backwards either"
     assert stat.S_IMODE(path.stat().st_mode) == 0o600
     again.close()
+    path.unlink()  # lost: the clock alone puts the next number above everything sent before
+    assert SequenceStore(path, floor=lambda: 2000).next() == 2000
     path.write_text("garbage")
     with pytest.raises(ConfigError, match="corrupt"):
         SequenceStore(path, lock=False)
+
+
+def test_the_default_floor_is_the_clock_in_milliseconds(tmp_path: Path) -> None:
+    before = time.time_ns() // 1_000_000
+    sent = SequenceStore(tmp_path / "agent.key.seq").next()
+    assert before <= sent <= time.time_ns() // 1_000_000
+    assert sent < (1 << 63) - 1 - 10**15, "the range lasts for millennia of heartbeats"
 
 
 def test_a_key_file_others_can_read_is_refused(tmp_path: Path) -> None:

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from fastapi import FastAPI
 from temporalio.client import Client
 
 from tests.node_support import (
@@ -26,8 +27,11 @@ from tests.node_support import (
     wait_for,
 )
 from virtengine_hpc.config import NodesConfig
+from virtengine_hpc.node.agent import NodeAgent
+from virtengine_hpc.node.config import load_agent_config
 from virtengine_hpc.node.lifecycle import NodeState, NodeStatus, workflow_id
-from workers.node_api import NodeAPI, TemporalForwarder, create_app
+from virtengine_hpc.node.sequence import SequenceStore
+from workers.node_api import NodeAPI, TemporalForwarder, create_app, peer_key
 
 HB = "/api/v1/hpc/nodes/{}/heartbeat"
 REGISTER = "/api/v1/hpc/nodes/register"
@@ -39,6 +43,13 @@ class APIHarness:
     api: NodeAPI
     nodes: NodeHarness
     client: Client
+    app: FastAPI
+
+    def sender(self, host: str) -> httpx.AsyncClient:
+        """A client of the same API whose requests come from ``host``."""
+        return httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=self.app, client=(host, 40000)), base_url="http://node-api"
+        )
 
     def rejections(self, event: str = "heartbeat_rejected") -> list[str]:
         return [e["details"]["reason"] for e in audit_events(self.nodes.audit_path, event)]
@@ -65,9 +76,10 @@ async def harness(client: Client, tmp_path: Path) -> AsyncIterator[APIHarness]:
             provider_address=PROVIDER,
             settings=NodesConfig(audit_rate_window=timedelta(0)),
         )
-        transport = httpx.ASGITransport(app=create_app(api))
+        app = create_app(api)
+        transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://node-api") as http:
-            yield APIHarness(http, api, nodes, client)
+            yield APIHarness(http, api, nodes, client, app)
         for wf in [f async for f in client.list_workflows(f"TaskQueue = '{nodes.task_queue}'")]:
             if wf.status is not None and wf.status.name == "RUNNING":
                 await client.get_workflow_handle(wf.id).terminate()
@@ -265,3 +277,101 @@ async def test_an_oversized_body_is_refused_without_reading_it_all(harness: APIH
     answer = await harness.http.post(HB.format(node.node_id), content=huge)
     assert answer.status_code == 413 and answer.json()["error"] == "body_too_large"
     assert harness.rejections() == ["body_too_large"]
+
+
+# ---- hostile senders and men in the middle ------------------------------------------------------------------
+
+
+async def test_a_flood_under_made_up_node_ids_is_audited_per_sender(harness: APIHarness) -> None:
+    """The limit is keyed by the peer address: inventing a new node id per request does not get each one its own
+    audit record (the log's writes were the flood's target)."""
+    harness.api.limiter.window = 60.0
+    async with harness.sender("203.0.113.7") as attacker:
+        for n in range(40):
+            forged = SimulatedNode(harness.nodes.cluster_id, f"made-up-{n}")
+            answer = await attacker.post(HB.format(forged.node_id), json=forged.heartbeat(1))
+            assert answer.status_code == 401 and answer.json()["error"] == "unknown_node"
+    events = audit_events(harness.nodes.audit_path, "heartbeat_rejected")
+    assert [(e["details"]["remote"], e["details"]["reason"]) for e in events] == [
+        ("203.0.113.7", "unknown_node")
+    ]
+    # Another sender is not silenced by the first one's flood.
+    honest = SimulatedNode(harness.nodes.cluster_id, "typo-node")
+    await harness.http.post(HB.format(honest.node_id), json=honest.heartbeat(1))
+    assert len(audit_events(harness.nodes.audit_path, "heartbeat_rejected")) == 2
+    harness.api.limiter.window = 0.0
+    async with harness.sender("203.0.113.7") as again:
+        late = SimulatedNode(harness.nodes.cluster_id, "made-up-x")
+        await again.post(HB.format(late.node_id), json=late.heartbeat(1))
+    last = audit_events(harness.nodes.audit_path, "heartbeat_rejected")[-1]
+    assert last["details"]["suppressed_since_last"] == 39
+
+
+def test_ipv6_senders_are_counted_per_64() -> None:
+    assert peer_key("2001:db8:1:2:aaaa::1") == peer_key("2001:db8:1:2:bbbb::9") == "2001:db8:1:2::/64"
+    assert peer_key("2001:db8:1:3::1") != peer_key("2001:db8:1:2::1")
+    assert peer_key("::ffff:192.0.2.5") == "192.0.2.5"
+    assert peer_key("192.0.2.5") == "192.0.2.5"
+
+
+class ManInTheMiddle(httpx.AsyncBaseTransport):
+    """Between an agent and the real node API over plain HTTP: every request reaches the API, but the answers to
+    the registration and to the first heartbeat are forged to claim a last sequence at the end of the range."""
+
+    def __init__(self, inner: httpx.AsyncBaseTransport) -> None:
+        self.inner = inner
+        self.heartbeats = 0
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        real = await self.inner.handle_async_request(request)
+        await real.aread()
+        if request.url.path == REGISTER:
+            return httpx.Response(real.status_code, json={**real.json(), "last_sequence": END})
+        self.heartbeats += 1
+        if self.heartbeats == 1:
+            forged = {"error": "sequence_replayed", "message": "replayed", "last_sequence": END}
+            return httpx.Response(409, json=forged)
+        return real
+
+
+END = (1 << 63) - 1
+
+
+async def test_a_forged_sequence_answer_does_not_silence_the_agent(
+    harness: APIHarness, tmp_path: Path
+) -> None:
+    node = allowed_node(harness, "n-mitm")
+    config = load_agent_config(
+        env={},
+        overrides={
+            "node_id": node.node_id,
+            "cluster_id": node.cluster_id,
+            "provider_address": PROVIDER,
+            "provider_daemon_url": "http://node-api",
+            "key_file": tmp_path / "agent.key",
+            "storage_path": tmp_path,
+        },
+    )
+    inner = httpx.ASGITransport(app=harness.app)
+    http = httpx.AsyncClient(transport=ManInTheMiddle(inner), base_url="http://node-api")
+    sequence = SequenceStore(tmp_path / "agent.key.seq")
+    agent = NodeAgent(config, node.signer, sequence=sequence, http=http)
+    try:
+        first = await agent.tick()  # registration answer and heartbeat answer both forged
+        assert first["ok"] is False and first["error"] == "sequence_replayed"
+        assert "does not take a sequence from an unsigned answer" in first["message"]
+        second = await agent.tick()
+        third = await agent.tick()
+    finally:
+        await agent.close()
+        sequence.close()
+    assert second["ok"] is True and third["ok"] is True, (second, third)
+    assert 0 < second["sequence_number"] < third["sequence_number"] < END
+    row = harness.nodes.ledger.get(node.cluster_id, node.node_id)
+    assert row is not None and row.last_sequence == third["sequence_number"]
+    assert json.loads(config.status_file.read_text())["ok"] is True
+
+    async def active() -> bool:
+        return await harness.state(node) is NodeState.ACTIVE
+
+    await wait_for(active, 10, "the node's workflow to become active")

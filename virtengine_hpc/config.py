@@ -700,7 +700,8 @@ class NodesConfig(Section):
     )
     audit_rate_window: Duration = Field(
         timedelta(seconds=10),
-        description="Repeated identical rejections (same node, same reason) are audited once per window.",
+        description="Rejected registrations and heartbeats are audited once per window for each sender address "
+        "(IPv6: its /64) and reason, with a count of those left out.",
     )
     max_body_bytes: int = Field(65536, ge=1024, le=16 * 1024 * 1024, description="Largest accepted request.")
     tls_cert_file: Path | None = Field(

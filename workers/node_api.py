@@ -14,9 +14,10 @@ Each request is checked in this order, and the first failure answers and writes 
    accepted before, as persisted in the ledger (409 ``sequence_replayed`` with ``last_sequence``).
 
 An accepted heartbeat is forwarded to the node's ``NodeWorkflow`` by signal-with-start (503 if Temporal cannot
-be reached; the sequence stays consumed and the agent's next one is larger). Identical rejections (same node,
-same reason) are audited once per ``nodes.audit_rate_window`` with a count of the suppressed ones, so a flood
-of forged requests cannot turn the audit log's fsync into a denial of service.
+be reached; the sequence stays consumed and the agent's next one is larger). Rejections are audited once per
+``nodes.audit_rate_window`` for each peer address and reason, with a count of the suppressed ones: a flood of
+forged requests, whatever node and cluster ids it makes up, writes a bounded number of records per sender
+(IPv6 senders counted per /64, the block one host usually holds).
 
 Run it with ``virtengine-hpc nodes serve`` or ``python -m workers.node_api`` (127.0.0.1:8081 by default; HTTPS
 with ``nodes.tls_cert_file``/``tls_key_file``, mutual TLS with ``nodes.tls_client_ca_file``).
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import ipaddress
 import logging
 import os
 import ssl
@@ -169,6 +171,19 @@ class AuditRateLimiter:
         return last[1] if last else 0
 
 
+def peer_key(remote: str) -> str:
+    """The sender a rejection is counted against: its IPv4 address, or the /64 of its IPv6 address."""
+    try:
+        address = ipaddress.ip_address(remote)
+    except ValueError:
+        return remote[:64]
+    if isinstance(address, ipaddress.IPv6Address):
+        if address.ipv4_mapped is not None:
+            return str(address.ipv4_mapped)
+        return str(ipaddress.IPv6Network((address, 64), strict=False))
+    return str(address)
+
+
 class Rejected(Exception):
     def __init__(
         self, status: int, code: str, message: str, *, severity: int, last_sequence: int | None = None
@@ -214,7 +229,8 @@ class NodeAPI:
     async def _audit_rejection(
         self, event: str, rejected: Rejected, cluster_id: str | None, node_id: str | None, remote: str
     ) -> None:
-        suppressed = self.limiter.admit((event, rejected.code, cluster_id or "", node_id or ""))
+        # Keyed by who sent it, never by the ids in the request: a forger chooses those freely.
+        suppressed = self.limiter.admit((event, rejected.code, peer_key(remote)))
         if suppressed is None:
             return
         details: dict[str, Any] = {"node_id": node_id, "reason": rejected.code, "remote": remote}

@@ -2,9 +2,11 @@
 
 Ticks follow a fixed schedule (no drift from the time a heartbeat takes). A provider that is down costs a
 logged warning and nothing else; answers steer the agent: ``401 not_registered`` makes it register again,
-``409 sequence_replayed`` makes it jump past the provider's last accepted sequence and resend at once (its
-sequence file was lost or restored from a backup), any other ``401`` is logged (the provider revoked or
-re-keyed the node). The last result is written to ``<key-file>.status.json`` for ``hpc-node-agent status``.
+any other ``401`` is logged (the provider revoked or re-keyed the node), and so is ``409 sequence_replayed``:
+answers are not signed, so the agent never takes a sequence number from one (a forged ``last_sequence`` of
+2^63 - 1 would otherwise end the node's heartbeats for good); its own numbers never fall below its clock
+(``node/sequence.py``), which is how an agent that lost its sequence file is accepted again. The last result is
+written to ``<key-file>.status.json`` for ``hpc-node-agent status``.
 """
 
 from __future__ import annotations
@@ -164,8 +166,6 @@ class NodeAgent:
         )
         answer = await self._post(REGISTER_PATH, sign_document(body, REGISTRATION_DOMAIN, self.signer))
         self.registered = True
-        if self.sequence is not None:
-            self.sequence.advance_past(int(answer.get("last_sequence", 0)))
         log.info("registered node %s in cluster %s", self.config.node_id, self.config.cluster_id)
         return answer
 
@@ -187,20 +187,24 @@ class NodeAgent:
         return sign_document(body, HEARTBEAT_DOMAIN, self.signer)
 
     async def heartbeat(self) -> dict[str, Any]:
-        """Send one heartbeat; on a replay answer jump past the provider's sequence and resend once."""
+        """Send one heartbeat. A replay answer is reported, never followed: its ``last_sequence`` is unsigned."""
         assert self.sequence is not None, "heartbeats need the persisted sequence"
-        for attempt in (1, 2):
-            document = await self.build_heartbeat(self.sequence.next())
-            try:
-                return await self._post(heartbeat_path(str(self.config.node_id)), document)
-            except ProviderRefused as exc:
-                last = exc.last_sequence
-                if exc.code == "sequence_replayed" and last is not None and attempt == 1:
-                    log.warning("provider already saw sequence %s; continuing after it", last)
-                    self.sequence.advance_past(last)
-                    continue
-                raise
-        raise AssertionError("unreachable")
+        sent = self.sequence.next()
+        document = await self.build_heartbeat(sent)
+        try:
+            return await self._post(heartbeat_path(str(self.config.node_id)), document)
+        except ProviderRefused as exc:
+            if exc.code == "sequence_replayed":
+                raise ProviderRefused(
+                    f"{exc}; this agent sent {sent} and does not take a sequence from an unsigned answer: its next "
+                    "numbers follow its clock (if the clock went back, heartbeats are accepted again once it "
+                    "passes the time of the last accepted one, or write a larger number into the sequence file)",
+                    code=exc.code,
+                    transient=exc.transient,
+                    status=exc.status,
+                    last_sequence=exc.last_sequence,
+                ) from None
+            raise
 
     async def _post(self, path: str, document: dict[str, Any]) -> dict[str, Any]:
         try:

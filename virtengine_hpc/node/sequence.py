@@ -4,20 +4,33 @@ The next number is written (and fsynced) *before* the heartbeat carrying it is s
 number but never reuse one: the provider accepts only strictly increasing sequences and the reference's agent,
 which restarted at 1, was refused after every restart. A lock file keeps two agents from sharing one key and
 sequence.
+
+Each number is also at least the agent's clock in milliseconds since the epoch. An agent whose sequence file was
+lost or restored from an old backup is therefore above every number it sent before (unless its clock went back
+meanwhile) without asking anyone: the agent never takes a sequence from the provider's answers, which are not
+signed, so a forged answer cannot push it to the end of the range and silence the node for good.
 """
 
 from __future__ import annotations
 
 import fcntl
 import os
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 from virtengine_hpc.errors import ConfigError
 
 
+def clock_floor() -> int:
+    """Milliseconds since the epoch: the least the next sequence number may be."""
+    return time.time_ns() // 1_000_000
+
+
 class SequenceStore:
-    def __init__(self, path: Path, *, lock: bool = True) -> None:
+    def __init__(self, path: Path, *, lock: bool = True, floor: Callable[[], int] = clock_floor) -> None:
         self.path = path
+        self.floor = floor
         self._lock_fd: int | None = None
         if lock:
             self._lock_fd = os.open(f"{path}.lock", os.O_RDWR | os.O_CREAT, 0o600)
@@ -58,14 +71,9 @@ class SequenceStore:
         self.current = value
 
     def next(self) -> int:
-        """Reserve and persist the next sequence number."""
-        self._write(self.current + 1)
+        """Reserve and persist the next sequence number: one above the last, and not below the clock floor."""
+        self._write(max(self.current + 1, self.floor()))
         return self.current
-
-    def advance_past(self, value: int) -> None:
-        """Jump ahead after the provider said it already saw ``value`` (e.g. the file was lost)."""
-        if value >= self.current:
-            self._write(value)
 
     def close(self) -> None:
         if self._lock_fd is not None:
