@@ -57,6 +57,7 @@ EVENTS: dict[str, Category] = {
     "status_report_failed": Category.JOB,
     "state_recovered": Category.JOB,
     "job_parked": Category.JOB,
+    "duplicate_job_cancelled": Category.JOB,  # this project's own: racing submit attempts' extra job
     "usage_reported": Category.USAGE,
     "usage_report_failed": Category.USAGE,
     "accounting_reported": Category.USAGE,

@@ -9,8 +9,6 @@ report them.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import logging
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
@@ -20,10 +18,11 @@ from typing import TypeVar
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
+from activities.attempts import Attempt, heartbeating
 from activities.audit import AuditLog
 from activities.chain.client import AccountingReport, ChainClient, StatusReport
 from activities.routing import RoutingEnforcer
-from activities.schedulers.base import Accounting, NativeStatus, SchedulerAdapter, SubmitRequest
+from activities.schedulers.base import Accounting, NativeStatus, SchedulerAdapter, SubmitRequest, SubmitResult
 from activities.schedulers.batcher import StatusBatcher
 from activities.usage_batcher import UsageBatcher
 from virtengine_hpc.config import Config
@@ -79,31 +78,6 @@ def to_application_error(exc: HPCError) -> ApplicationError:
     if isinstance(exc, SchedulerError) and exc.exit_code is not None:
         details["exit_code"] = exc.exit_code
     return ApplicationError(str(exc), details, type=type(exc).__name__, non_retryable=not exc.transient)
-
-
-HEARTBEAT_EVERY = 2.0
-
-
-async def heartbeating(call: Awaitable[T]) -> T:
-    """Await ``call`` while heartbeating, so a dead worker is noticed in seconds, not at start-to-close.
-
-    Short activities (submit, cancel, usage) have a heartbeat timeout of a few seconds: when the worker running
-    them is killed, Temporal retries them on another worker almost at once (the retried submit adopts the job).
-    """
-    task = asyncio.ensure_future(call)
-    try:
-        while True:
-            done, _ = await asyncio.wait({task}, timeout=HEARTBEAT_EVERY)
-            if done:
-                return task.result()
-            activity.heartbeat()
-    except asyncio.CancelledError:
-        # The attempt was cancelled (workflow cancel, heartbeat timeout): the call goes with it, so a retry never
-        # runs beside a zombie of this attempt.
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError, Exception):
-            await task
-        raise
 
 
 class JobActivities:
@@ -199,8 +173,17 @@ class JobActivities:
 
     @activity.defn(name="submit_job")
     async def submit_job(self, request: SubmitInput) -> SubmitOutput:
+        """Submit the job once, however many attempts run, even side by side.
+
+        The scheduler job id is heartbeated the moment the scheduler answers; a retry that finds it in its
+        heartbeat details adopts it without a lookup, a retry without it looks the job up first, and a first
+        attempt (nothing before it can have made a job) submits straight away. After every submission or
+        adoption the adapter reconciles duplicates made by racing attempts: the oldest job is kept, the others
+        are cancelled (audit ``duplicate_job_cancelled``).
+        """
         adapter = self.adapter(request.cluster_id)
-        info = activity.info()
+        attempt = Attempt.current()
+        known = attempt.progress.scheduler_job_id
         try:
             result = await heartbeating(
                 adapter.submit(
@@ -210,11 +193,15 @@ class JobActivities:
                         body=request.body,
                         partition=request.partition,
                         exclusive=request.exclusive,
-                    )
-                )
+                        first_attempt=attempt.first,
+                        known_job_id=known,
+                    ),
+                    on_submitted=attempt.submitted,
+                ),
+                attempt,
             )
         except HPCError as exc:
-            last = not exc.transient or (request.max_attempts and info.attempt >= request.max_attempts)
+            last = not exc.transient or (request.max_attempts and attempt.number >= request.max_attempts)
             if last:
                 event = "job_max_retries_exceeded" if exc.transient else "job_submission_failed"
                 self.audit.record(
@@ -223,30 +210,50 @@ class JobActivities:
                     cluster_id=request.cluster_id,
                     success=False,
                     error_msg=str(exc),
-                    details={"attempt": info.attempt, "code": exc.code},
+                    details={"attempt": attempt.number, "code": exc.code},
                 )
             raise to_application_error(exc) from None
+        self._audit_submission(request, result, attempt, heartbeated=known is not None)
+        return SubmitOutput(scheduler_job_id=result.scheduler_job_id, adopted=result.adopted)
+
+    def _audit_submission(
+        self, request: SubmitInput, result: SubmitResult, attempt: Attempt, *, heartbeated: bool
+    ) -> None:
+        job_id, cluster_id = request.job.job_id, request.cluster_id
+        for duplicate in result.duplicates_cancelled:
+            self.audit.record(
+                "duplicate_job_cancelled",
+                job_id=job_id,
+                cluster_id=cluster_id,
+                details={
+                    "scheduler_job_id": duplicate,
+                    "kept": result.scheduler_job_id,
+                    "attempt": attempt.number,
+                    "why": "submit attempts raced; the oldest scheduler job is kept",
+                },
+            )
         self.audit.record(
             "job_submitted",
-            job_id=request.job.job_id,
-            cluster_id=request.cluster_id,
+            job_id=job_id,
+            cluster_id=cluster_id,
             details={
                 "scheduler_job_id": result.scheduler_job_id,
                 "adopted": result.adopted,
-                "attempt": info.attempt,
+                "attempt": attempt.number,
             },
         )
         if result.adopted:
             self.audit.record(
                 "state_recovered",
-                job_id=request.job.job_id,
-                cluster_id=request.cluster_id,
+                job_id=job_id,
+                cluster_id=cluster_id,
                 details={
                     "scheduler_job_id": result.scheduler_job_id,
-                    "why": "submit retried; adopted existing job",
+                    "why": "submit retried; adopted the job an earlier attempt heartbeated"
+                    if heartbeated
+                    else "submit retried; adopted existing job",
                 },
             )
-        return SubmitOutput(scheduler_job_id=result.scheduler_job_id, adopted=result.adopted)
 
     @activity.defn(name="find_job")
     async def find_job(self, request: FindInput) -> FindOutput:

@@ -11,7 +11,7 @@ import argparse
 import asyncio
 import os
 import signal
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from activities.schedulers.base import Accounting, NativeStatus, SchedulerAdapter, SubmitRequest, SubmitResult
@@ -27,8 +27,10 @@ class CrashAfterSubmit(SchedulerAdapter):
         self.inner = inner
         self.workflow_id = workflow_id
 
-    async def submit(self, request: SubmitRequest) -> SubmitResult:
-        result = await self.inner.submit(request)
+    async def submit(
+        self, request: SubmitRequest, *, on_submitted: Callable[[str], None] | None = None
+    ) -> SubmitResult:
+        result = await self.inner.submit(request, on_submitted=on_submitted)
         if request.workflow_id == self.workflow_id:
             os.kill(os.getpid(), signal.SIGKILL)
         return result

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from decimal import Decimal
@@ -54,7 +54,9 @@ class MemoryAdapter(SchedulerAdapter):
     partitions: dict[str, str | None] = field(default_factory=dict)  # workflow id -> partition it was sent to
     exclusive: dict[str, bool] = field(default_factory=dict)  # workflow id -> asked for whole nodes
 
-    async def submit(self, request: SubmitRequest) -> SubmitResult:
+    async def submit(
+        self, request: SubmitRequest, *, on_submitted: Callable[[str], None] | None = None
+    ) -> SubmitResult:
         self.submits += 1
         if self.submit_delay:
             await asyncio.sleep(self.submit_delay)
@@ -73,6 +75,8 @@ class MemoryAdapter(SchedulerAdapter):
         if request.workflow_id in self.crash_after_submit:
             self.crash_after_submit.discard(request.workflow_id)
             raise SchedulerUnavailable("connection lost after the scheduler accepted the job")
+        if on_submitted is not None:
+            on_submitted(job_id)
         return SubmitResult(scheduler_job_id=job_id)
 
     async def find(self, workflow_id: str) -> str | None:

@@ -73,7 +73,7 @@ class RecordingNodeScheduler(SchedulerAdapter):
     def actions(self) -> list[str]:
         return [action for action, _ in self.calls if action != "busy"]
 
-    async def submit(self, request: SubmitRequest) -> SubmitResult:
+    async def submit(self, request: SubmitRequest, **_: Any) -> SubmitResult:
         raise NotImplementedError
 
     async def find(self, workflow_id: str) -> str | None:

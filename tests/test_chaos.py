@@ -23,6 +23,7 @@ import time
 import uuid
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -207,7 +208,7 @@ class AnswersLost(MemoryAdapter):
     """The scheduler takes the job but no attempt ever hears back: what an overloaded server's lost heartbeats
     (submit timed out four times) looked like in the load benchmark."""
 
-    async def submit(self, request: SubmitRequest) -> SubmitResult:
+    async def submit(self, request: SubmitRequest, **_: Any) -> SubmitResult:
         await super().submit(request)
         raise SchedulerUnavailable("the answer was lost")
 

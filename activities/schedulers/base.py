@@ -4,7 +4,11 @@ Adapters are plain async classes with injected configuration; activities call th
 exceptions (``virtengine_hpc.errors``) into Temporal errors. The contract, which the adapter test-suites check:
 
 * ``submit`` is idempotent by ``workflow_id``: the scheduler job carries the workflow id (job name or comment), and
-  a retried submit first looks the job up and adopts it (DESIGN.md invariant 2).
+  a retried submit first looks the job up and adopts it (DESIGN.md invariant 2). A request that names the job an
+  earlier attempt heartbeated (``known_job_id``) adopts it without a lookup; a first attempt
+  (``first_attempt``) submits without one. ``on_submitted`` hears the new job's id the moment the scheduler
+  answers. Adapters whose jobs can be duplicated (two attempts racing) then reconcile: of the jobs carrying the
+  workflow id the oldest is kept and returned, the others are cancelled and named in ``duplicates_cancelled``.
 * ``status_batch`` answers for many jobs with one scheduler query (invariant 4). A job the queue no longer shows is
   looked up in accounting; a job found nowhere is reported with ``found=False`` and never assumed completed
   (invariant 5). A failed query raises ``SchedulerUnavailable``: it is never a state change.
@@ -35,11 +39,27 @@ class SubmitRequest(Model):
     exclusive: bool = Field(
         False, description="Whole nodes: no other job may share them (the template's exclusive_nodes)."
     )
+    first_attempt: bool = Field(
+        False,
+        description="Nothing earlier can have created this workflow's job (the submit activity's first attempt): "
+        "submit without looking it up first. Retries inside the adapter still look first.",
+    )
+    known_job_id: str | None = Field(
+        None,
+        max_length=128,
+        description="The job an earlier attempt of this submission created and heartbeated: adopted without a "
+        "lookup (duplicates are still reconciled).",
+    )
 
 
 class SubmitResult(Model):
     scheduler_job_id: str
     adopted: bool = Field(False, description="True when a job submitted by an earlier attempt was found.")
+    duplicates_cancelled: list[str] = Field(
+        default_factory=list,
+        description="Other jobs that carried the same workflow id (attempts that raced), found after the "
+        "submission and cancelled; the oldest job is the one kept.",
+    )
 
 
 class NativeStatus(Model):
@@ -78,8 +98,13 @@ class SchedulerAdapter(abc.ABC):
         raise NotImplementedError(f"{cls.__name__} cannot be built from the config")
 
     @abc.abstractmethod
-    async def submit(self, request: SubmitRequest) -> SubmitResult:
-        """Submit the job, or adopt the job an earlier attempt already submitted for ``request.workflow_id``."""
+    async def submit(
+        self, request: SubmitRequest, *, on_submitted: Callable[[str], None] | None = None
+    ) -> SubmitResult:
+        """Submit the job, or adopt the job an earlier attempt already submitted for ``request.workflow_id``.
+
+        ``on_submitted`` is called with the scheduler's job id as soon as it exists (the activity heartbeats it,
+        so a retry adopts the job without a lookup)."""
 
     @abc.abstractmethod
     async def find(self, workflow_id: str) -> str | None:

@@ -35,7 +35,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from datetime import UTC, datetime
 from decimal import Decimal
 from pathlib import Path
@@ -117,8 +117,15 @@ class LocalAdapter(SchedulerAdapter):
         return self._jobs / scheduler_job_id
 
     # ---- the interface -------------------------------------------------------------------------------------
-    async def submit(self, request: SubmitRequest) -> SubmitResult:
-        return await asyncio.to_thread(self._submit, request)
+    async def submit(
+        self, request: SubmitRequest, *, on_submitted: Callable[[str], None] | None = None
+    ) -> SubmitResult:
+        # The job id is derived from the workflow id and its directory is claimed by one rename: two attempts
+        # cannot make two jobs, so there is nothing to reconcile.
+        result = await asyncio.to_thread(self._submit, request)
+        if on_submitted is not None:
+            on_submitted(result.scheduler_job_id)
+        return result
 
     async def find(self, workflow_id: str) -> str | None:
         return await asyncio.to_thread(self._find, workflow_id)

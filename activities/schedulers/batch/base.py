@@ -6,13 +6,21 @@ scheduler only contributes command builders, parsers and a state table (STYLE.md
   and stderr, classified as transient (``SchedulerUnavailable``: the controller is down or slow) or not.
 * **Retries.** ``Backoff`` + ``retrying``: transient errors are retried inside the adapter with the configured
   exponential backoff, up to ``max_retries``, before the last error is raised to the activity.
-* **Exactly-once submission.** ``submit`` first looks for a job carrying the workflow id (``find``) and adopts it;
-  it looks again before every retry, because a submission whose answer was lost (timeout, dropped connection,
-  a worker killed between "accepted" and "returned") may well have created the job.
-* **Lookups coalesce.** Concurrent ``find`` calls share one scheduler query (group commit), so the lookup that makes
-  submission idempotent does not multiply the scheduler's load when many jobs are submitted at once.
-* **Reconciliation.** Should two jobs ever carry the same workflow id (two submit attempts racing past their
-  lookups), the oldest is kept and the others are cancelled before they can run.
+* **Exactly-once submission.** A retried submit first looks for a job carrying the workflow id (``find``) and
+  adopts it; it looks again before every retry inside the adapter, because a submission whose answer was lost
+  (timeout, dropped connection, a worker killed between "accepted" and "returned") may well have created the
+  job. A first attempt (nothing before it can have created a job) submits without looking; a retry that knows
+  the job id its predecessor heartbeated adopts it without looking.
+* **Reconciliation after every submit.** Two attempts of one submission can race (a timed-out attempt still
+  running beside its retry, on another worker) and both submit. So after every submission or adoption the
+  adapter asks which jobs carry the workflow id, keeps the oldest and cancels the others. Scheduler job ids grow
+  with submission order, so whichever attempt checks last sees every older job, and all attempts keep the same
+  one. The check runs to its end even if the attempt is cancelled meanwhile, and an attempt cancelled while its
+  submission was in flight (the command killed, the job perhaps created) runs the check in the background.
+* **Lookups coalesce.** Concurrent lookups share one scheduler query (group commit), so neither the lookup of a
+  retry nor the check after each submit multiplies the scheduler's load when many jobs are submitted at once.
+  The check after a submit asks only what the scheduler still holds (``_lookup_live``: a racing duplicate is
+  seconds old), not its accounting.
 """
 
 from __future__ import annotations
@@ -118,6 +126,7 @@ class Coalescer(Generic[K, V]):
         self._max_batch = max_batch
         self._waiting: dict[K, list[asyncio.Future[V | None]]] = {}
         self._runner: asyncio.Task[None] | None = None
+        self._in_flight: tuple[asyncio.Future[dict[K, V]], list[asyncio.Future[V | None]]] | None = None
         self.batches = 0
 
     async def get(self, key: K) -> V | None:
@@ -125,15 +134,34 @@ class Coalescer(Generic[K, V]):
         self._waiting.setdefault(key, []).append(future)
         if self._runner is None or self._runner.done():
             self._runner = asyncio.create_task(self._drain())
-        return await future
+        try:
+            return await future
+        except asyncio.CancelledError:
+            self._abandon()
+            raise
+
+    def _abandon(self) -> None:
+        """A caller gave up (its attempt was cancelled): a query no caller waits for any more is stopped."""
+        if self._in_flight is not None:
+            fetch, futures = self._in_flight
+            if all(f.done() for f in futures):
+                fetch.cancel()
 
     async def _drain(self) -> None:
         while self._waiting:
             keys = list(self._waiting)[: self._max_batch]
             batch = {key: self._waiting.pop(key) for key in keys}
             self.batches += 1
+            fetch = asyncio.ensure_future(self._fetch(keys))
+            self._in_flight = (fetch, [f for futures in batch.values() for f in futures])
             try:
-                answers = await self._fetch(keys)
+                await asyncio.wait({fetch})
+            finally:
+                self._in_flight = None
+            if fetch.cancelled():
+                continue  # every caller of this batch gave up
+            try:
+                answers = fetch.result()
             except BaseException as exc:
                 for futures in batch.values():
                     for future in futures:
@@ -232,20 +260,31 @@ class BatchSchedulerAdapter(SchedulerAdapter, abc.ABC):
     """Base of batch-scheduler adapters: retries, exactly-once submission, coalesced lookups, reconciliation.
 
     Subclasses implement ``_lookup`` (all jobs carrying each of several workflow ids, from queue *and*
-    accounting), ``_submit_new`` (one submission, no lookup), ``_cancel_many`` and the status/usage methods.
+    accounting), ``_submit_new`` (one submission, no lookup), ``_cancel_many`` and the status/usage methods;
+    ``_lookup_live`` (the jobs the scheduler still holds) when that is cheaper than ``_lookup``.
     """
 
     def __init__(self, *, backoff: Backoff) -> None:
         self.backoff = backoff
         self._finder: Coalescer[str, list[Candidate]] = Coalescer(self._lookup)
+        self._live_finder: Coalescer[str, list[Candidate]] = Coalescer(self._lookup_live)
         # Submits of one workflow id in this process run one at a time (an attempt that outlived its timeout
-        # and its retry must not both miss the lookup and both submit).
+        # and its retry on the same worker need not race each other).
         self._submitting: dict[str, _Gate] = {}
+        # Reconciliations that outlive the attempt that started them (see ``_submit_then_check``).
+        self._background: set[asyncio.Task[SubmitResult | None]] = set()
 
     # ---- hooks ---------------------------------------------------------------------------------------------
     @abc.abstractmethod
     async def _lookup(self, workflow_ids: list[str]) -> dict[str, list[Candidate]]:
         """Every job (queued, running or ended) carrying each workflow id; raises ``SchedulerUnavailable``."""
+
+    async def _lookup_live(self, workflow_ids: list[str]) -> dict[str, list[Candidate]]:
+        """The jobs carrying each workflow id that the scheduler itself still holds (ended ones for a while).
+
+        Enough for the check after a submit: a duplicate from a racing attempt was submitted seconds ago.
+        Defaults to ``_lookup``; override when the scheduler's own view is cheaper than its accounting."""
+        return await self._lookup(workflow_ids)
 
     @abc.abstractmethod
     async def _submit_new(self, request: SubmitRequest) -> str:
@@ -256,16 +295,35 @@ class BatchSchedulerAdapter(SchedulerAdapter, abc.ABC):
         """Cancel jobs; ended or unknown jobs are not an error."""
 
     # ---- exactly-once submission ---------------------------------------------------------------------------
-    async def submit(self, request: SubmitRequest) -> SubmitResult:
-        """Adopt the workflow's job if any attempt made one; else submit, looking again before every retry."""
+    async def submit(
+        self, request: SubmitRequest, *, on_submitted: Callable[[str], None] | None = None
+    ) -> SubmitResult:
+        """Adopt the workflow's job if an attempt made one, else submit it; then reconcile duplicates.
+
+        A retry looks the job up first (and again before every retry inside the adapter); a first attempt and
+        a retry that knows its job (``known_job_id``) do not."""
+        if request.known_job_id is not None:
+            log.info(
+                "workflow %s: adopting scheduler job %s (heartbeated)",
+                request.workflow_id,
+                request.known_job_id,
+            )
+            return await retrying(
+                lambda: self._check(request.workflow_id, request.known_job_id or "", adopted=True),
+                self.backoff,
+                f"check {request.workflow_id}",
+            )
+        look_first = not request.first_attempt
 
         async def attempt() -> SubmitResult:
-            existing = await self._find_once(request.workflow_id)
-            if existing is not None:
-                log.info("workflow %s: adopting scheduler job %s", request.workflow_id, existing)
-                return SubmitResult(scheduler_job_id=existing, adopted=True)
-            job_id = await self._submit_new(request)
-            return SubmitResult(scheduler_job_id=job_id)
+            nonlocal look_first
+            if look_first:
+                existing = await self._find_once(request.workflow_id)
+                if existing is not None:
+                    log.info("workflow %s: adopting scheduler job %s", request.workflow_id, existing)
+                    return await self._check(request.workflow_id, existing, adopted=True)
+            look_first = True  # a failed submission may have created the job: look before trying again
+            return await self._submit_then_check(request, on_submitted)
 
         gate = self._submitting.setdefault(request.workflow_id, _Gate())
         gate.users += 1
@@ -276,6 +334,60 @@ class BatchSchedulerAdapter(SchedulerAdapter, abc.ABC):
             gate.users -= 1
             if gate.users == 0:
                 del self._submitting[request.workflow_id]
+
+    async def _submit_then_check(
+        self, request: SubmitRequest, on_submitted: Callable[[str], None] | None
+    ) -> SubmitResult:
+        """Submit, then reconcile; the reconciliation is not given up with a cancelled attempt.
+
+        Once a job may exist, the check that cancels a duplicate must run: if the attempt is cancelled while
+        the submission is in flight (its command killed, perhaps after the scheduler took the job), a lookup
+        runs in the background; if it is cancelled during the check, the check runs on."""
+        try:
+            job_id = await self._submit_new(request)
+        except asyncio.CancelledError:
+            self._in_background(self._reconcile_workflow(request.workflow_id))
+            raise
+        if on_submitted is not None:
+            on_submitted(job_id)
+        check = self._in_background(self._check(request.workflow_id, job_id, adopted=False))
+        result = await asyncio.shield(check)
+        assert result is not None
+        return result
+
+    def _in_background(self, work: Awaitable[SubmitResult | None]) -> asyncio.Task[SubmitResult | None]:
+        task: asyncio.Task[SubmitResult | None] = asyncio.ensure_future(work)
+        self._background.add(task)
+        task.add_done_callback(self._finished)
+        return task
+
+    def _finished(self, task: asyncio.Task[SubmitResult | None]) -> None:
+        self._background.discard(task)
+        if not task.cancelled() and task.exception() is not None:  # nobody may be waiting for it any more
+            log.warning("reconciliation after a submit failed: %s", task.exception())
+
+    async def _reconcile_workflow(self, workflow_id: str) -> None:
+        """After a submission cancelled in flight: whatever it created is reconciled with its siblings."""
+        try:
+            await retrying(lambda: self._find_once(workflow_id), self.backoff, f"reconcile {workflow_id}")
+        except SchedulerError as exc:  # a retry's own lookup or check reconciles later
+            log.warning(
+                "workflow %s: could not look for duplicates after a cancelled submit: %s", workflow_id, exc
+            )
+        return None
+
+    async def _check(self, workflow_id: str, job_id: str, *, adopted: bool) -> SubmitResult:
+        """The job this attempt submitted or adopted, checked against every job the scheduler holds for the
+        workflow: the oldest is kept (and returned), the others are cancelled."""
+        found = {c.scheduler_job_id: c for c in await self._live_finder.get(workflow_id) or []}
+        found.setdefault(job_id, Candidate(job_id))
+        keep, *extra = sorted(found.values(), key=lambda c: c.order)
+        cancelled = await self._reconcile(workflow_id, keep, extra) if extra else []
+        return SubmitResult(
+            scheduler_job_id=keep.scheduler_job_id,
+            adopted=adopted or keep.scheduler_job_id != job_id,
+            duplicates_cancelled=cancelled,
+        )
 
     async def find(self, workflow_id: str) -> str | None:
         return await retrying(lambda: self._find_once(workflow_id), self.backoff, f"find {workflow_id}")
@@ -290,8 +402,9 @@ class BatchSchedulerAdapter(SchedulerAdapter, abc.ABC):
             await self._reconcile(workflow_id, keep, extra)
         return keep.scheduler_job_id
 
-    async def _reconcile(self, workflow_id: str, keep: Candidate, extra: list[Candidate]) -> None:
-        """Duplicates of one workflow (a race between attempts): keep the oldest, cancel the rest."""
+    async def _reconcile(self, workflow_id: str, keep: Candidate, extra: list[Candidate]) -> list[str]:
+        """Duplicates of one workflow (a race between attempts): keep the oldest, cancel the rest; the ids
+        cancelled now (none if the cancel failed: the next lookup or check tries again)."""
         to_cancel = [c.scheduler_job_id for c in extra if not c.final]
         log.error(
             "workflow %s has %d scheduler jobs (%s); keeping %s, cancelling %s",
@@ -301,11 +414,20 @@ class BatchSchedulerAdapter(SchedulerAdapter, abc.ABC):
             keep.scheduler_job_id,
             ", ".join(to_cancel) or "none (already ended)",
         )
-        if to_cancel:
-            try:
-                await self._cancel_many(to_cancel)
-            except SchedulerError as exc:  # the next lookup tries again
-                log.warning("could not cancel duplicate jobs %s: %s", to_cancel, exc)
+        if not to_cancel:
+            return []
+        try:
+            await self._cancel_many(to_cancel)
+        except SchedulerError as exc:
+            log.warning("could not cancel duplicate jobs %s: %s", to_cancel, exc)
+            return []
+        return to_cancel
+
+    async def close(self) -> None:
+        """Stop reconciliations still running in the background (the worker is going away)."""
+        for task in list(self._background):
+            task.cancel()
+        await asyncio.gather(*self._background, return_exceptions=True)
 
 
 def chunked(items: Iterable[T], size: int) -> Iterator[list[T]]:

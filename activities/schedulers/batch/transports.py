@@ -12,16 +12,18 @@ session reads no profile.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import shlex
 import socket
 import ssl
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import paramiko
+from paramiko.common import cMSG_CHANNEL_REQUEST
 
 from activities.schedulers.batch.base import CommandResult
 from virtengine_hpc.errors import SchedulerUnavailable, SecurityError
@@ -71,9 +73,16 @@ class SSHRunner:
         return shlex.join(["env", *(f"{k}={v}" for k, v in self.env.items()), *args])
 
     async def run(self, argv: Sequence[str], *, stdin: str | None = None, timeout: float) -> CommandResult:
+        """Run ``argv`` on the remote host; if the caller is cancelled (its activity attempt was), the remote
+        command is killed (an SSH ``signal`` request, then the channel is closed)."""
         line = self.command_line(argv)
+        session = _Session()
         async with self._slots:
-            return await asyncio.to_thread(self._run, tuple(argv), line, stdin, timeout)
+            try:
+                return await asyncio.to_thread(self._run, tuple(argv), line, stdin, timeout, session)
+            except asyncio.CancelledError:
+                session.kill()
+                raise
 
     # ---- blocking part (worker threads) --------------------------------------------------------------------
     def _connect(self) -> paramiko.SSHClient:
@@ -157,9 +166,11 @@ class SSHRunner:
                     raise SchedulerUnavailable(f"SSH channel to {self.host} failed: {exc}") from exc
         raise AssertionError("unreachable")
 
-    def _run(self, argv: tuple[str, ...], line: str, stdin: str | None, timeout: float) -> CommandResult:
+    def _run(
+        self, argv: tuple[str, ...], line: str, stdin: str | None, timeout: float, session: _Session
+    ) -> CommandResult:
         started = time.monotonic()
-        channel = self._open(timeout)
+        channel = session.start(lambda: self._open(timeout))
         try:
             channel.settimeout(timeout)
             channel.exec_command(line)
@@ -188,6 +199,42 @@ class SSHRunner:
             if self._client is not None:
                 self._client.close()
                 self._client = None
+
+
+class _Session:
+    """The channel of one remote command, killable from the event loop while a thread waits on it."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._channel: paramiko.Channel | None = None
+        self._killed = False
+
+    def start(self, open_channel: Callable[[], paramiko.Channel]) -> paramiko.Channel:
+        with self._lock:
+            if self._killed:
+                raise SchedulerUnavailable("the command was cancelled before it started")
+            self._channel = open_channel()
+            return self._channel
+
+    def kill(self) -> None:
+        """Ask sshd to SIGKILL the command's process group (OpenSSH 7.9+ honours ``signal`` requests), then close
+        the channel: the command must not finish behind the back of the attempt that gave it up."""
+        with self._lock:
+            self._killed = True
+            channel = self._channel
+            if channel is None or channel.closed:
+                return
+            request = paramiko.Message()
+            request.add_byte(cMSG_CHANNEL_REQUEST)
+            request.add_int(channel.remote_chanid)
+            request.add_string("signal")
+            request.add_boolean(False)
+            request.add_string("KILL")
+            send = getattr(channel.get_transport(), "_send_user_message", None)  # paramiko has no public call
+            if send is not None:
+                with contextlib.suppress(paramiko.SSHException, OSError, EOFError):
+                    send(request)
+            channel.close()
 
 
 def read_all(recv: Any, deadline: float) -> bytes:

@@ -282,6 +282,7 @@ class MoabAdapter(BatchSchedulerAdapter):
         await retrying(lambda: self.backend.hold(job_id, release=True), self.backoff, f"release {job_id}")
 
     async def close(self) -> None:
+        await super().close()
         await self.backend.close()
 
 

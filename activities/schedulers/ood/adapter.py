@@ -21,7 +21,7 @@ import asyncio
 import importlib
 import logging
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from activities.schedulers.base import (
     Accounting,
@@ -152,13 +152,26 @@ class OODAdapter(SchedulerAdapter):
         return user
 
     # ---- the adapter interface ------------------------------------------------------------------------------
-    async def submit(self, request: SubmitRequest) -> SubmitResult:
+    async def submit(
+        self, request: SubmitRequest, *, on_submitted: Callable[[str], None] | None = None
+    ) -> SubmitResult:
         user = self.user_of(request.job.tenant)
         await self.oidc.authorize(user)
-        result = await self.adapter_for(user).submit(request)
         suffix = "/session" if request.job.template_id == SESSION_TEMPLATE else ""
+
+        def full(native: str) -> str:
+            return f"{user}/{native}{suffix}"
+
+        if request.known_job_id is not None:  # the scheduler under OOD knows the job by its native id
+            known_user, native, _ = split_id(request.known_job_id)
+            request = request.model_copy(update={"known_job_id": native if known_user == user else None})
+        result = await self.adapter_for(user).submit(
+            request, on_submitted=(lambda native: on_submitted(full(native))) if on_submitted else None
+        )
         return SubmitResult(
-            scheduler_job_id=f"{user}/{result.scheduler_job_id}{suffix}", adopted=result.adopted
+            scheduler_job_id=full(result.scheduler_job_id),
+            adopted=result.adopted,
+            duplicates_cancelled=[full(native) for native in result.duplicates_cancelled],
         )
 
     async def find(self, workflow_id: str) -> str | None:

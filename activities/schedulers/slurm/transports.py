@@ -20,8 +20,9 @@ import logging
 import os
 import signal
 import subprocess
+import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import ModuleType
@@ -40,6 +41,30 @@ log = logging.getLogger(__name__)
 #: Environment of every Slurm command: epoch timestamps instead of the cluster's local time.
 COMMAND_ENV = {"SLURM_TIME_FORMAT": "%s", "LC_ALL": "C"}
 _LOCAL_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+
+
+class _Child:
+    """The process of one command, killable from the event loop while a pool thread waits for it."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._killed = False
+
+    def start(self, spawn: Callable[[], subprocess.Popen[bytes]]) -> subprocess.Popen[bytes]:
+        with self._lock:
+            if self._killed:
+                raise SchedulerUnavailable("the command was cancelled before it started")
+            self._proc = spawn()
+            return self._proc
+
+    def kill(self) -> None:
+        """Kill the command and whatever it started (its own session), or keep it from starting."""
+        with self._lock:
+            self._killed = True
+            if self._proc is not None and self._proc.returncode is None:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(self._proc.pid, signal.SIGKILL)
 
 
 class LocalRunner:
@@ -67,19 +92,28 @@ class LocalRunner:
         self._pool = ThreadPoolExecutor(max_workers=max_concurrency, thread_name_prefix="slurm-cmd")
 
     async def run(self, argv: Sequence[str], *, stdin: str | None = None, timeout: float) -> CommandResult:
+        """Run ``argv``; if the caller is cancelled (its activity attempt was), the command is killed."""
         args = check_argv(argv)
-        return await asyncio.get_running_loop().run_in_executor(self._pool, self._run, args, stdin, timeout)
+        child = _Child()
+        loop = asyncio.get_running_loop()
+        try:
+            return await loop.run_in_executor(self._pool, self._run, args, stdin, timeout, child)
+        except asyncio.CancelledError:
+            child.kill()
+            raise
 
-    def _run(self, args: tuple[str, ...], stdin: str | None, timeout: float) -> CommandResult:
+    def _run(self, args: tuple[str, ...], stdin: str | None, timeout: float, child: _Child) -> CommandResult:
         started = time.monotonic()
         try:
-            proc = subprocess.Popen(
-                args,
-                stdin=subprocess.PIPE if stdin is not None else subprocess.DEVNULL,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                env=self.env,
-                start_new_session=True,
+            proc = child.start(
+                lambda: subprocess.Popen(
+                    args,
+                    stdin=subprocess.PIPE if stdin is not None else subprocess.DEVNULL,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    env=self.env,
+                    start_new_session=True,
+                )
             )
         except FileNotFoundError:
             return CommandResult(args, 127, "", f"{args[0]}: command not found")

@@ -1,0 +1,71 @@
+"""One attempt of the ``submit_job`` activity in a process of its own, for the racing-attempts test.
+
+    python -m tests.racing_submit WORKFLOW_ID ATTEMPT BARRIER_DIR AUDIT_LOG KEY_FILE
+
+Runs the real activity (real SLURM adapter over the local CLI, jobs held so they never run) as attempt ATTEMPT
+with no heartbeat details, as a retry on another worker runs when its predecessor's heartbeats never arrived.
+Right before its ``sbatch`` it waits until the other process got there too (files in BARRIER_DIR), so both
+attempts submit: the race a timed-out attempt and its retry can run. Prints the activity's output as JSON.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from temporalio.testing import ActivityEnvironment
+
+from tests import slurm_cluster as sc
+from tests.conftest import make_config
+from virtengine_hpc.config import Secrets
+from virtengine_hpc.messages import SubmitInput
+from workers.wiring import build_worker_deps
+
+
+async def barrier(directory: Path, me: str, parties: int = 2, timeout: float = 60) -> None:
+    (directory / me).touch()
+    deadline = time.monotonic() + timeout
+    while len(list(directory.iterdir())) < parties:
+        if time.monotonic() > deadline:
+            raise SystemExit("the other attempt never reached its sbatch")
+        await asyncio.sleep(0.02)
+
+
+async def main(workflow_id: str, attempt: int, barrier_dir: Path, audit_log: Path, key: Path) -> None:
+    env = sc.cluster()
+    adapter = sc.adapter(env, "cli", hold=True)
+    real_submit = adapter.backend.submit
+
+    async def submit_after_barrier(plan: Any) -> str:
+        await barrier(barrier_dir, f"attempt-{attempt}")
+        return await real_submit(plan)
+
+    adapter.backend.submit = submit_after_barrier  # type: ignore[method-assign]
+    config = make_config(audit_log.parent, hpc={"audit": {"log_path": str(audit_log)}})
+    deps = build_worker_deps(
+        config, Secrets(provider_signing_key_path=key), adapters={config.hpc.cluster_id: adapter}
+    )
+    activity_env = ActivityEnvironment()
+    activity_env.info = dataclasses.replace(activity_env.info, attempt=attempt, activity_type="submit_job")
+    try:
+        out = await activity_env.run(
+            deps.activities.submit_job,
+            SubmitInput(
+                workflow_id=workflow_id,
+                job=sc.spec(workflow_id, "echo never\n"),
+                cluster_id=config.hpc.cluster_id,
+                body="echo never\n",
+            ),
+        )
+    finally:
+        await deps.close()
+    print(out.model_dump_json(), flush=True)
+
+
+if __name__ == "__main__":
+    wf, number, directory, audit, key_file = sys.argv[1:6]
+    asyncio.run(main(wf, int(number), Path(directory), Path(audit), Path(key_file)))

@@ -1,0 +1,350 @@
+"""Activity attempts never overlap in effect: a cancelled or timed-out attempt stops its call, and what an attempt
+did reaches its retry through heartbeat details (``activities/attempts.py``).
+
+Scheduler commands are real: a cancelled attempt's ``sbatch`` (hanging on a controller that never answers) and
+its command over SSH (the cluster's sshd) must be gone once the cancellation is through.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+from temporalio import activity
+from temporalio.testing import ActivityEnvironment
+
+from activities.attempts import LOST_ATTEMPTS, heartbeating
+from activities.audit import read_events
+from activities.schedulers.slurm.script import job_name
+from activities.schedulers.slurm.transports import LocalRunner, SSHRunner
+from tests import slurm_cluster as sc
+from tests.conftest import make_config
+from virtengine_hpc.config import Secrets
+from virtengine_hpc.messages import SubmitInput, SubmitOutput
+from workers.wiring import build_worker_deps
+
+
+def processes_with(marker: str) -> list[psutil.Process]:
+    """Live processes whose command line or environment mentions ``marker``."""
+    found = []
+    for proc in psutil.process_iter(["cmdline", "status"]):
+        try:
+            if proc.info["status"] == psutil.STATUS_ZOMBIE:
+                continue
+            line = " ".join(proc.info["cmdline"] or [])
+            if marker in line or any(marker in v for v in proc.environ().values()):
+                found.append(proc)
+        except psutil.Error:
+            continue
+    return found
+
+
+async def gone_when(condition: Any, within: float = 10.0) -> bool:
+    """Whether ``condition()`` becomes true soon (a killed process disappears once its parent has reaped it)."""
+    deadline = time.monotonic() + within
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        await asyncio.sleep(0.1)
+    return True
+
+
+async def gone(marker: str) -> bool:
+    """Whether every process mentioning ``marker`` has exited."""
+    return await gone_when(lambda: not processes_with(marker))
+
+
+async def started(marker: str, within: float = 20.0) -> None:
+    deadline = time.monotonic() + within
+    while not processes_with(marker):
+        assert time.monotonic() < deadline, f"no process with {marker!r} started"
+        await asyncio.sleep(0.1)
+
+
+async def run_and_cancel(env: ActivityEnvironment, fn: Any, marker: str, *args: Any) -> None:
+    """Run an activity, cancel it once the process ``marker`` runs, and expect the cancellation back."""
+    task = asyncio.create_task(env.run(fn, *args))
+    await started(marker)
+    env.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+
+
+async def test_a_cancelled_attempt_cancels_the_call_it_waits_for() -> None:
+    """The wrapped call (here a stand-in for a chain write) sees the cancellation and the attempt waits until it
+    has wound down; before, it went on running beside the attempt's retry."""
+    events: list[str] = []
+
+    async def call() -> None:
+        try:
+            events.append("started")
+            await asyncio.sleep(300)
+        except asyncio.CancelledError:
+            await asyncio.sleep(0.2)  # cleanup that the attempt must wait for
+            events.append("cleaned up")
+            raise
+
+    @activity.defn(name="waits")
+    async def waits() -> None:
+        await heartbeating(call())
+
+    env = ActivityEnvironment()
+    env.info = dataclasses.replace(env.info, activity_type="waits")
+    before = LOST_ATTEMPTS[("waits", "cancelled")]
+    task = asyncio.create_task(env.run(waits))
+    while not events:
+        await asyncio.sleep(0.01)
+    env.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert events == ["started", "cleaned up"]
+    assert LOST_ATTEMPTS[("waits", "cancelled")] == before + 1
+
+
+@pytest.fixture
+def silent_controller(tmp_path: Path) -> Iterator[Path]:
+    """A copy of the cluster's slurm.conf whose controller port accepts connections and never answers: Slurm
+    commands hang there as they do on an overloaded controller (``MessageTimeout`` raised so they hang long)."""
+    env = sc.cluster()
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(64)
+    port = listener.getsockname()[1]
+    conf_dir = tmp_path / f"silent-{port}"
+    conf_dir.mkdir()
+    source = Path(env["slurm_conf"])
+    for extra in source.parent.glob("*.conf"):
+        if extra.name != "slurm.conf":
+            shutil.copy(extra, conf_dir / extra.name)
+    lines = [
+        f"SlurmctldPort={port}" if line.startswith("SlurmctldPort=") else line
+        for line in source.read_text().splitlines()
+        if not line.startswith("MessageTimeout=")
+    ]
+    (conf_dir / "slurm.conf").write_text("\n".join([*lines, "MessageTimeout=120", ""]))
+    try:
+        yield conf_dir / "slurm.conf"
+    finally:
+        listener.close()
+
+
+@pytest.mark.slurm
+async def test_a_cancelled_submit_attempt_kills_its_sbatch(
+    silent_controller: Path, tmp_path: Path, key_path: Path
+) -> None:
+    """The submit activity's ``sbatch`` hangs on a controller that does not answer; Temporal cancels the attempt
+    (a heartbeat timeout the worker hears of): the ``sbatch`` process is killed, not left to submit the job
+    behind the retry's back."""
+    env = sc.cluster()
+    adapter = sc.adapter(env, "cli", slurm_conf=str(silent_controller))
+    adapter._verify_cluster = False  # straight to sbatch: the cluster check would hang the same way
+    config = make_config(tmp_path)
+    deps = build_worker_deps(
+        config, Secrets(provider_signing_key_path=key_path), adapters={config.hpc.cluster_id: adapter}
+    )
+    wf = sc.workflow_id("attempts-silent")
+    marker = str(silent_controller)
+
+    def sbatches() -> list[psutil.Process]:
+        return [p for p in processes_with(marker) if p.info["cmdline"][:1] == ["sbatch"]]
+
+    activity_env = ActivityEnvironment()
+    request = SubmitInput(
+        workflow_id=wf, job=sc.spec(wf, "true\n"), cluster_id=config.hpc.cluster_id, body="true\n"
+    )
+    try:
+        task = asyncio.create_task(activity_env.run(deps.activities.submit_job, request))
+        deadline = time.monotonic() + 20
+        while not sbatches():  # a first attempt submits without looking the job up first
+            assert time.monotonic() < deadline and not task.done(), "sbatch never started"
+            await asyncio.sleep(0.1)
+        activity_env.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert await gone_when(lambda: not sbatches()), "the cancelled attempt's sbatch is still running"
+    finally:
+        await (
+            deps.close()
+        )  # also stops the lookup the cancelled submit left running (the controller is silent)
+        for proc in processes_with(marker):
+            with contextlib.suppress(psutil.Error):
+                proc.kill()
+    assert not processes_with(marker), "closing the adapter stopped its background lookup"
+
+
+@pytest.mark.slurm
+async def test_a_cancelled_attempt_kills_its_command_over_ssh() -> None:
+    """Over SSH the command runs on the login node: cancelling the attempt kills it there too."""
+    env = sc.cluster()
+    runner = SSHRunner(
+        host=env["ssh_host"],
+        port=env["ssh_port"],
+        user=env["ssh_user"],
+        key_path=Path(env["ssh_key_file"]),
+        known_hosts=Path(env["ssh_known_hosts"]),
+        timeout=300,
+    )
+    seconds = str(2000 + int(time.time() * 1000) % 7000)  # a sleep no one else runs
+    marker = f"sleep {seconds}"
+
+    @activity.defn(name="remote")
+    async def remote() -> None:
+        await heartbeating(runner.run(["sleep", seconds], timeout=300))
+
+    try:
+        await run_and_cancel(ActivityEnvironment(), remote, marker)
+        assert await gone(marker), "the remote command outlived its attempt"
+    finally:
+        await runner.close()
+
+
+async def test_a_cancelled_attempt_kills_its_local_command(tmp_path: Path) -> None:
+    """The same for any command of the local runner: the process and what it started are gone."""
+    runner = LocalRunner()
+    marker = str(tmp_path / "child-marker")
+
+    @activity.defn(name="local")
+    async def local() -> None:
+        # A command that started a child of its own: both must go.
+        await heartbeating(
+            runner.run(["bash", "-c", f"(exec -a {marker}-child sleep 300) & wait"], timeout=600)
+        )
+
+    try:
+        await run_and_cancel(ActivityEnvironment(), local, f"{marker}-child")
+        assert await gone(marker)
+    finally:
+        await runner.close()
+
+
+# ---- submission: heartbeated job ids, first attempts, duplicates of racing attempts -----------------------------
+
+
+def controller_states(env: dict[str, Any], workflow: str) -> dict[str, str]:
+    """Every job the controller holds under the workflow's job name, with its state (any user)."""
+    out = sc.slurm_command(env, ["squeue", "-h", "-t", "all", "-n", job_name(workflow), "-o", "%A %T"])
+    return dict(line.split() for line in out.splitlines() if line.strip())
+
+
+@pytest.mark.slurm
+async def test_two_attempts_racing_on_two_processes_leave_one_slurm_job(
+    tmp_path: Path, key_path: Path
+) -> None:
+    """A timed-out attempt still submitting while its retry runs on another worker: both pass their lookups
+    before either job exists and both run ``sbatch``. Each checks after its own submission; the oldest job is
+    kept by both, the other is cancelled and audited, and both attempts answer with the kept job, so whichever
+    answer Temporal takes, the workflow names the one live job."""
+    env = sc.cluster()
+    wf = sc.workflow_id("attempts-race")
+    barrier = tmp_path / "barrier"
+    barrier.mkdir()
+    procs = {}
+    for attempt in (1, 2):
+        home = tmp_path / f"worker-{attempt}"
+        home.mkdir()
+        procs[attempt] = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "tests.racing_submit",
+                wf,
+                str(attempt),
+                str(barrier),
+                str(home / "audit.log"),
+                str(key_path),
+            ],
+            cwd=sc.REPO,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+    try:
+        answers = {}
+        for attempt, proc in procs.items():
+            out, err = proc.communicate(timeout=120)
+            assert proc.returncode == 0, err[-3000:]
+            answers[attempt] = SubmitOutput.model_validate_json(out.strip().splitlines()[-1])
+        states = controller_states(env, wf)
+        assert len(states) == 2, f"both attempts submitted: {states}"
+        kept, duplicate = sorted(states, key=int)
+        assert {a.scheduler_job_id for a in answers.values()} == {kept}, answers
+        assert states == {kept: "PENDING", duplicate: "CANCELLED"}
+        live = [job for job, state in states.items() if state != "CANCELLED"]
+        assert live == [kept], "exactly one live Slurm job, the one both answers name"
+        events = [
+            e
+            for attempt in procs
+            for e in read_events(tmp_path / f"worker-{attempt}" / "audit.log")
+            if e["event_type"] == "duplicate_job_cancelled"
+        ]
+        assert events, "the cancelled duplicate is audited"
+        assert {(e["details"]["scheduler_job_id"], e["details"]["kept"]) for e in events} == {
+            (duplicate, kept)
+        }
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+        sc.cancel_test_jobs(env, "attempts-race")
+
+
+@pytest.mark.slurm
+async def test_a_first_attempt_submits_at_once_and_a_retry_adopts_its_heartbeated_job(
+    tmp_path: Path, key_path: Path
+) -> None:
+    """Attempt 1 cannot find a job nobody made: it runs ``sbatch`` without the ~90 ms accounting lookup,
+    heartbeats the job id at once, and checks for duplicates with one controller query. Its retry (the answer
+    lost) reads the id from the heartbeat details and adopts it: no lookup, no second ``sbatch``."""
+    env = sc.cluster()
+    adapter = sc.adapter(env, "cli", hold=True)
+    config = make_config(tmp_path)
+    deps = build_worker_deps(
+        config, Secrets(provider_signing_key_path=key_path), adapters={config.hpc.cluster_id: adapter}
+    )
+    wf = sc.workflow_id("attempts-heartbeat")
+    request = SubmitInput(
+        workflow_id=wf, job=sc.spec(wf, "echo never\n"), cluster_id=config.hpc.cluster_id, body="echo never\n"
+    )
+    beats: list[Any] = []
+    try:
+        await adapter._ready()  # the one-time cluster check is not part of a submission
+        before = adapter.calls
+        first = ActivityEnvironment()
+        first.on_heartbeat = lambda *details: beats.append(details)
+        submitted = await first.run(deps.activities.submit_job, request)
+        used = Counter(adapter.calls) - Counter(before)
+        assert used == {"sbatch": 1, "squeue": 1}, (
+            "no lookup before the submit; the check asks the controller"
+        )
+        progress = [d[0] for d in beats if d]
+        assert progress and progress[0].scheduler_job_id == submitted.scheduler_job_id, "heartbeated at once"
+
+        before = adapter.calls
+        retry = ActivityEnvironment()
+        retry.info = dataclasses.replace(
+            retry.info, attempt=2, heartbeat_details=[progress[-1].model_dump(mode="json")]
+        )
+        adopted = await retry.run(deps.activities.submit_job, request)
+        used = Counter(adapter.calls) - Counter(before)
+        assert adopted == SubmitOutput(scheduler_job_id=submitted.scheduler_job_id, adopted=True)
+        assert used == {"squeue": 1}, "adopted without a lookup or a second sbatch"
+        assert list(controller_states(env, wf)) == [submitted.scheduler_job_id]
+        recovered = [
+            e for e in read_events(config.hpc.audit.log_path) if e["event_type"] == "state_recovered"
+        ]
+        assert "heartbeated" in recovered[-1]["details"]["why"]
+    finally:
+        await deps.close()
+        sc.cancel_test_jobs(env, "attempts-heartbeat")
