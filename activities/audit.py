@@ -7,6 +7,13 @@ Each line is a JSON object with ``seq``, ``timestamp``, ``event_type``, ``catego
 with the first bad line. Several processes (workers, poller, node API) may append to one file: appends take an
 exclusive ``flock`` and read the previous hash under it.
 
+A chain alone cannot show that its last lines were cut off, or that someone edited a line and recomputed every
+hash after it. So a process that holds the provider's signing key also signs the head after every line it
+appends: ``<log>.anchor`` holds ``{seq, hash, anchored_at, key_id, signature}``, an Ed25519 signature over the
+canonical form (``virtengine_hpc.signing``) under the domain ``virtengine-hpc/audit-anchor/v1``. ``audit verify``
+checks that the anchored line is still in the log with that very hash, and that the signature is the provider's.
+The anchor is overwritten in place (one ``pwrite`` of a fixed-size block, no new file per line).
+
 Secrets never reach this file: callers pass ids, states and reasons, never credentials; ``details`` values are
 scrubbed of anything that looks like a token.
 """
@@ -16,20 +23,28 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import json
+import logging
 import os
 import re
 import threading
-from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+
 from virtengine_hpc.config import AuditConfig
 from virtengine_hpc.files import PRIVATE_MODE, ensure_private
+from virtengine_hpc.signing import Signer, canonical_bytes, canonical_time, key_id, verify
 
+log = logging.getLogger(__name__)
 GENESIS_HASH = "0" * 64
+ANCHOR_DOMAIN = "virtengine-hpc/audit-anchor/v1"
+ANCHOR_BLOCK = 1024
+"""Size of the anchor file: every anchor overwrites the whole block, so no byte of an older one survives."""
 _JWT_LIKE = re.compile(r"eyJ[A-Za-z0-9_-]{8,}\.[A-Za-z0-9_-]{8,}\.[A-Za-z0-9_-]{8,}")
 
 
@@ -130,13 +145,18 @@ def _open_append(path: Path) -> Any:
 class AuditLog:
     """Appends hash-chained audit events; honours the ``hpc.audit`` switches."""
 
-    def __init__(self, config: AuditConfig, *, fsync: bool = False) -> None:
+    def __init__(
+        self, config: AuditConfig, *, fsync: bool = False, anchor_signer: Signer | None = None
+    ) -> None:
         """``fsync``: force every line to disk. Off by default: each line is flushed to the OS (it survives a
         crash of the process, not a power loss), because an fsync per event costs milliseconds on the worker's
-        event loop for every job transition."""
+        event loop for every job transition. ``anchor_signer``: the provider's key, which signs the head after
+        each line this process appends (``anchor_path``)."""
         self.config = config
         self.fsync = fsync
+        self.anchor_signer = anchor_signer
         self.path = Path(config.log_path)
+        self.anchor_path = anchor_path(self.path)
         self._lock = threading.Lock()
         if config.enabled:
             # Job ids, tenants and reasons of every job: private to the provider's account.
@@ -199,9 +219,45 @@ class AuditLog:
                 handle.flush()
                 if self.fsync:
                     os.fsync(handle.fileno())
+                if self.anchor_signer is not None:
+                    self._anchor(entry["seq"], entry["hash"], self.anchor_signer)
             finally:
                 fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
         return entry
+
+    def _anchor(self, seq: int, head: str, signer: Signer) -> None:
+        """Sign the head just written (under the log's lock, so anchors follow the chain's order). A failure is
+        logged and the line stays: the next anchor covers it, and ``audit verify`` reports the unanchored tail."""
+        try:
+            block = anchor_block(seq, head, signer)
+            fd = os.open(self.anchor_path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, PRIVATE_MODE)
+            try:
+                os.pwrite(fd, block, 0)
+                if self.fsync:
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
+        except OSError as exc:
+            log.warning("cannot write the audit anchor %s: %s", self.anchor_path, exc)
+
+
+def anchor_path(log_path: str | os.PathLike[str]) -> Path:
+    """Where the signed head of ``log_path`` is kept: beside it, ``<log>.anchor``."""
+    path = Path(log_path)
+    return path.with_name(path.name + ".anchor")
+
+
+def anchor_block(seq: int, head: str, signer: Signer, *, at: datetime | None = None) -> bytes:
+    """The anchor file's content: the signed document, padded to ``ANCHOR_BLOCK`` bytes."""
+    document: dict[str, Any] = {
+        "seq": seq,
+        "hash": head,
+        "anchored_at": canonical_time(at or datetime.now(UTC)),
+        "key_id": signer.key_id,
+    }
+    document["signature"] = signer.sign(canonical_bytes(document, ANCHOR_DOMAIN))
+    text = json.dumps(document, sort_keys=True).encode()
+    return text.ljust(ANCHOR_BLOCK - 1) + b"\n"
 
 
 @dataclass(frozen=True)
@@ -247,3 +303,78 @@ def verify_log(path: str | os.PathLike[str]) -> VerifyResult:
             prev = claimed
             count += 1
     return VerifyResult(True, count)
+
+
+@dataclass(frozen=True)
+class AnchorCheck:
+    """What ``check_anchor`` found: ``ok``, the anchored ``seq`` and time, and lines written after it."""
+
+    ok: bool
+    error: str | None = None
+    seq: int = 0
+    anchored_at: str = ""
+    key_id: str = ""
+    unanchored: int = 0
+
+
+KeyLookup = Callable[[str], Ed25519PublicKey | str]
+"""Returns the public key with a key id, or why there is none."""
+
+
+def read_anchor(path: str | os.PathLike[str]) -> dict[str, Any] | str:
+    """The anchor document beside the log ``path``, or why it cannot be read."""
+    where = anchor_path(path)
+    try:
+        raw = where.read_bytes()
+    except FileNotFoundError:
+        return (
+            f"no signed anchor {where} (written without the provider's key, or removed; --unanchored checks the "
+            "chain alone)"
+        )
+    except OSError as exc:
+        return f"cannot read the anchor {where}: {exc.strerror}"
+    try:
+        document = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        return f"the anchor {where} is damaged (not JSON)"
+    fields = {"seq": int, "hash": str, "anchored_at": str, "key_id": str, "signature": str}
+    if not isinstance(document, dict) or set(document) != set(fields):
+        return f"the anchor {where} is damaged (unexpected fields)"
+    if any(not isinstance(document[k], t) or isinstance(document[k], bool) for k, t in fields.items()):
+        return f"the anchor {where} is damaged (a field has the wrong type)"
+    return document
+
+
+def check_anchor(path: str | os.PathLike[str], lookup: KeyLookup) -> AnchorCheck:
+    """Check the signed head against a log whose chain ``verify_log`` found intact: the signature is the
+    provider's and the anchored line is still in the log with the anchored hash."""
+    document = read_anchor(path)
+    if isinstance(document, str):
+        return AnchorCheck(False, document)
+    key = lookup(document["key_id"])
+    if isinstance(key, str):
+        return AnchorCheck(False, f"anchor: {key}")
+    if key_id(key) != document["key_id"] or not verify(
+        key, canonical_bytes(document, ANCHOR_DOMAIN), document["signature"]
+    ):
+        return AnchorCheck(False, "the anchor's signature does not verify with the provider's key")
+    seq, head = document["seq"], document["hash"]
+    found: dict[str, Any] | None = None
+    count = 0
+    for count, entry in enumerate(read_events(path), start=1):
+        if count == seq:
+            found = entry
+    check = AnchorCheck(True, None, seq, document["anchored_at"], document["key_id"], max(0, count - seq))
+    if found is None:
+        return replace(
+            check,
+            ok=False,
+            error=f"the anchored line {seq} is gone: the log ends at line {count} (lines cut off)",
+        )
+    if found.get("hash") != head:
+        return replace(
+            check,
+            ok=False,
+            error=f"line {seq} does not have the anchored hash {head[:16]}...: the log was rewritten",
+        )
+    return check

@@ -4,6 +4,7 @@ found, by ``verify_log`` and through ``virtengine-hpc audit verify``; ``audit sh
 from __future__ import annotations
 
 import json
+import stat
 import subprocess
 import sys
 import textwrap
@@ -12,19 +13,31 @@ from pathlib import Path
 
 import pytest
 
-from activities.audit import AuditLog, verify_log
+from activities.audit import GENESIS_HASH, AuditLog, _line_hash, anchor_block, anchor_path, verify_log
+from activities.chain.local_ledger import LocalLedger
 from virtengine_hpc.cli import main as cli_main
 from virtengine_hpc.config import AuditConfig
+from virtengine_hpc.signing import Signer, public_key_b64, write_private_key
 
 REPO = Path(__file__).resolve().parents[1]
 Cli = Callable[..., tuple[int, str, str]]
 
 
+PROVIDER = "virtengine1provider0audit"
+
+
 @pytest.fixture
-def log(tmp_path: Path) -> Path:
-    """Eight events of three jobs, as a worker would write them."""
+def key_file(tmp_path: Path) -> Path:
+    path = tmp_path / "provider.key"
+    write_private_key(path)
+    return path
+
+
+@pytest.fixture
+def log(tmp_path: Path, key_file: Path) -> Path:
+    """Eight events of three jobs, as a worker holding the provider's key writes them (head signed)."""
     path = tmp_path / "audit.log"
-    audit = AuditLog(AuditConfig(log_path=path))
+    audit = AuditLog(AuditConfig(log_path=path), anchor_signer=Signer.from_file(key_file))
     audit.record("service_started", details={"pid": 1})
     for job in ("JOB-1", "JOB-2"):
         audit.record("job_submitted", job_id=job, cluster_id="c1", details={"scheduler_job_id": "7"})
@@ -40,10 +53,23 @@ def log(tmp_path: Path) -> Path:
 
 
 @pytest.fixture
-def cli(tmp_path: Path, log: Path, capsys: pytest.CaptureFixture[str]) -> Cli:
-    """The CLI with a config whose ``hpc.audit.log_path`` is the fixture's log."""
+def cli(tmp_path: Path, log: Path, key_file: Path, capsys: pytest.CaptureFixture[str]) -> Cli:
+    """The CLI with a config whose ``hpc.audit.log_path`` is the fixture's log, and a ledger on which the
+    provider's key is registered (where ``audit verify`` finds the key of the signed anchor)."""
     config = tmp_path / "config.yaml"
-    config.write_text(json.dumps({"hpc": {"audit": {"log_path": str(log)}}}))
+    ledger_path = tmp_path / "ledger.db"
+    LocalLedger(ledger_path).register_provider_key(
+        PROVIDER, public_key_b64(Signer.from_file(key_file).public_key)
+    )
+    config.write_text(
+        json.dumps(
+            {
+                "hpc": {"audit": {"log_path": str(log)}},
+                "provider": {"address": PROVIDER},
+                "chain": {"ledger_path": str(ledger_path)},
+            }
+        )
+    )
 
     def run(*argv: str) -> tuple[int, str, str]:
         code = cli_main(["--config", str(config), *argv])
@@ -67,7 +93,12 @@ def test_an_intact_log_verifies(log: Path, cli: Cli) -> None:
     code, out, _ = cli("audit", "verify")
     assert code == 0
     last = json.loads(lines(log)[-1])
-    assert out.strip() == f"OK    {log}: 8 lines, hash chain intact; head seq 8 hash {last['hash']}"
+    anchor = json.loads(anchor_path(log).read_text())
+    assert anchor["seq"] == 8 and anchor["hash"] == last["hash"]
+    assert out.strip() == (
+        f"OK    {log}: 8 lines, hash chain intact; head seq 8 hash {last['hash']}; signed anchor at seq 8 "
+        f"({anchor['anchored_at']}, key {anchor['key_id'][:16]}...)"
+    )
 
 
 def test_an_edited_line_is_found(log: Path, cli: Cli) -> None:
@@ -148,27 +179,86 @@ _APPENDER = textwrap.dedent(
     from pathlib import Path
     from activities.audit import AuditLog
     from virtengine_hpc.config import AuditConfig
+    from virtengine_hpc.signing import Signer
 
-    audit = AuditLog(AuditConfig(log_path=Path(sys.argv[1])))
+    audit = AuditLog(AuditConfig(log_path=Path(sys.argv[1])), anchor_signer=Signer.from_file(sys.argv[4]))
     for i in range(int(sys.argv[3])):
         audit.record("status_reported", job_id=f"{sys.argv[2]}-{i}", details={"state": "running"})
     """
 )
 
 
-def test_two_processes_appending_keep_one_chain(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_two_processes_appending_keep_one_chain(
+    tmp_path: Path, key_file: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     path = tmp_path / "shared-audit.log"
     procs = [
         subprocess.Popen(
-            [sys.executable, "-c", _APPENDER, str(path), name, "150"], cwd=REPO, stderr=subprocess.PIPE
+            [sys.executable, "-c", _APPENDER, str(path), name, "150", str(key_file)],
+            cwd=REPO,
+            stderr=subprocess.PIPE,
         )
         for name in ("worker", "poller")
     ]
     for proc in procs:
         _, err = proc.communicate(timeout=120)
         assert proc.returncode == 0, err
-    assert cli_main(["audit", "verify", "--file", str(path)]) == 0
-    assert "300 lines, hash chain intact" in capsys.readouterr().out
+    assert cli_main(["audit", "verify", "--file", str(path), "--key-file", str(key_file)]) == 0
+    out = capsys.readouterr().out
+    assert "300 lines, hash chain intact" in out and "signed anchor at seq 300" in out
+
+
+# ---- the signed anchor ---------------------------------------------------------------------------------------
+
+
+def test_cutting_the_last_line_is_found(log: Path, cli: Cli) -> None:
+    rewrite(log, lines(log)[:-1])
+    assert verify_log(log).ok, "the chain alone cannot tell"
+    code, out, _ = cli("audit", "verify")
+    assert code == 1
+    assert out.strip() == (
+        f"FAIL  {log}: the anchored line 8 is gone: the log ends at line 7 (lines cut off) "
+        "(7 lines, hash chain intact)"
+    )
+
+
+def test_an_edit_with_every_hash_recomputed_is_found(log: Path, cli: Cli) -> None:
+    """Hide the validation failure of JOB-3 and rebuild the whole chain after it: it verifies as a chain."""
+    entries = [json.loads(line) for line in lines(log)]
+    entries[5]["success"] = True
+    entries[5]["error_msg"] = None
+    prev = GENESIS_HASH
+    for entry in entries:
+        entry.pop("hash")
+        entry["prev_hash"] = prev
+        entry["hash"] = prev = _line_hash(prev, entry)
+    rewrite(log, [json.dumps(e, sort_keys=True) + "\n" for e in entries])
+    assert verify_log(log).ok
+    code, out, _ = cli("audit", "verify")
+    assert code == 1 and "line 8 does not have the anchored hash" in out and "the log was rewritten" in out
+
+
+def test_an_anchor_signed_by_another_key_or_removed_fails(log: Path, cli: Cli, tmp_path: Path) -> None:
+    head = json.loads(lines(log)[-1])
+    rewrite(log, lines(log)[:-1])  # cut a line, then forge an anchor for the new head with the attacker's key
+    forged = json.loads(lines(log)[-1])
+    anchor_path(log).write_bytes(anchor_block(forged["seq"], forged["hash"], Signer.generate()))
+    code, out, _ = cli("audit", "verify")
+    assert code == 1 and "is not registered on the ledger for virtengine1provider0audit" in out
+    code, out, _ = cli("audit", "verify", "--public-key", public_key_b64(Signer.generate().public_key))
+    assert code == 1 and "signature does not verify with the provider's key" in out
+    anchor_path(log).unlink()
+    code, out, _ = cli("audit", "verify")
+    assert code == 1 and "no signed anchor" in out
+    code, out, _ = cli("audit", "verify", "--unanchored")
+    assert code == 0 and "7 lines, hash chain intact" in out and head["hash"] not in out
+
+
+def test_lines_of_a_process_without_the_key_are_reported_as_not_yet_anchored(log: Path, cli: Cli) -> None:
+    AuditLog(AuditConfig(log_path=log)).record("service_started", details={"service": "poller"})
+    code, out, _ = cli("audit", "verify")
+    assert code == 0 and "signed anchor at seq 8" in out and "1 later lines not anchored yet" in out
+    assert stat.S_IMODE(anchor_path(log).stat().st_mode) == 0o600
 
 
 # ---- audit show --------------------------------------------------------------------------------------------

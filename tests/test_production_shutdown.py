@@ -29,6 +29,7 @@ from temporalio.testing import WorkflowEnvironment
 from tests.conftest import REPO, make_config
 from tests.pipeline_harness import setup_ledger
 from tests.production_support import submit, wait_result
+from virtengine_hpc.cli import main as cli_main
 from virtengine_hpc.config import Config
 from virtengine_hpc.signing import Signer
 from virtengine_hpc.states import JobState
@@ -108,7 +109,12 @@ def _config(tmp_path: Path, env: WorkflowEnvironment) -> tuple[Config, Path]:
 
 
 async def test_sigterm_during_a_job_hands_it_to_the_other_worker(
-    temporal_env: WorkflowEnvironment, client: Client, tmp_path: Path, key_path: Path, workers: list[Worker]
+    temporal_env: WorkflowEnvironment,
+    client: Client,
+    tmp_path: Path,
+    key_path: Path,
+    workers: list[Worker],
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     config, path = _config(tmp_path, temporal_env)
     ledger = setup_ledger(config, Signer.from_file(key_path))
@@ -170,3 +176,8 @@ async def test_sigterm_during_a_job_hands_it_to_the_other_worker(
         for line in first.json_lines()
     )
     assert any(line["msg"].startswith("stopping") for line in first.json_lines())
+
+    # Both workers signed the audit log's head after their lines: cutting its end would not go unnoticed.
+    assert cli_main(["-c", str(path), "audit", "verify", "--key-file", str(key_path)]) == 0
+    assert "hash chain intact" in capsys.readouterr().out
+    assert (config.hpc.audit.log_path.parent / "audit.log.anchor").exists()

@@ -53,6 +53,7 @@ from virtengine_hpc.states import JobState
 
 if TYPE_CHECKING:
     from activities.jobs import JobActivities
+    from virtengine_hpc.signing import Signer
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -208,8 +209,15 @@ _AUDIT_HANDLERS: dict[str, Callable[[WorkerMetrics, str, bool, Mapping[str, Any]
 class MeteredAuditLog(AuditLog):
     """The audit log, counting every event into ``WorkerMetrics`` before it is (perhaps) written."""
 
-    def __init__(self, config: AuditConfig, metrics: WorkerMetrics, *, fsync: bool = False) -> None:
-        super().__init__(config, fsync=fsync)
+    def __init__(
+        self,
+        config: AuditConfig,
+        metrics: WorkerMetrics,
+        *,
+        fsync: bool = False,
+        anchor_signer: Signer | None = None,
+    ) -> None:
+        super().__init__(config, fsync=fsync, anchor_signer=anchor_signer)
         self.metrics = metrics
 
     def record(self, event_type: str, **kwargs: Any) -> dict[str, Any] | None:

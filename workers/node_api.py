@@ -48,7 +48,7 @@ from temporalio.service import RPCError, RPCStatusCode
 
 from activities.audit import AuditLog
 from activities.chain.node_ledger import NodeLedger
-from virtengine_hpc.config import Config, NodesConfig, load_config
+from virtengine_hpc.config import Config, NodesConfig, Secrets, load_config
 from virtengine_hpc.errors import HPCError, SecurityError, ValidationError
 from virtengine_hpc.models import Identifier
 from virtengine_hpc.node.heartbeat import (
@@ -503,11 +503,11 @@ def create_app(api: NodeAPI) -> FastAPI:
 
 
 def build_api(config: Config, client: Client) -> NodeAPI:
-    from workers.wiring import task_queue
+    from workers.wiring import anchor_signer, task_queue
 
     return NodeAPI(
         NodeLedger(config.ledger_path),
-        AuditLog(config.hpc.audit),
+        AuditLog(config.hpc.audit, anchor_signer=anchor_signer(Secrets.from_env())),
         TemporalForwarder(
             client,
             task_queue_for=lambda cluster: task_queue(config, cluster),

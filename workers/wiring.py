@@ -8,6 +8,7 @@ every cluster of the provider, so a job can be routed to a cluster whose task qu
 from __future__ import annotations
 
 import importlib
+import logging
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -31,6 +32,8 @@ from virtengine_hpc.tls import read_pem
 
 if TYPE_CHECKING:
     from workers.metrics import WorkerMetrics
+
+log = logging.getLogger(__name__)
 
 # Modules that register adapters with @register(name) when imported. Optional ones may be absent.
 ADAPTER_MODULES = {
@@ -249,6 +252,19 @@ def load_signer(secrets: Secrets) -> Signer:
     return Signer.from_file(secrets.provider_signing_key_path)
 
 
+def anchor_signer(secrets: Secrets) -> Signer | None:
+    """The key that signs the audit log's head in processes that need no key of their own (poller, node API):
+    the provider's, when ``PROVIDER_SIGNING_KEY_PATH`` is set; else their lines wait for a worker's next anchor."""
+    if secrets.provider_signing_key_path is None:
+        log.warning("PROVIDER_SIGNING_KEY_PATH is not set: this process does not sign the audit log's head")
+        return None
+    try:
+        return Signer.from_file(secrets.provider_signing_key_path)
+    except SecurityError as exc:  # the worker, which needs the key, refuses to start; this process goes on
+        log.warning("this process does not sign the audit log's head: %s", exc)
+        return None
+
+
 def body_resolver(chain: ChainClient | None = None, audit: AuditLog | None = None) -> BodyResolver:
     """The template resolver when templates are installed (with the chain: custom templates and price checks),
     else scripts only."""
@@ -318,13 +334,13 @@ def build_worker_deps(
         node_ledger = NodeLedger(config.ledger_path)
         if node_capacity and capacity_probe is None:
             capacity_probe = node_ledger.available_nodes
+    signer = load_signer(secrets)
     if metrics is not None:
         from workers.metrics import MeteredAuditLog
 
-        audit: AuditLog = MeteredAuditLog(config.hpc.audit, metrics)
+        audit: AuditLog = MeteredAuditLog(config.hpc.audit, metrics, anchor_signer=signer)
     else:
-        audit = AuditLog(config.hpc.audit)
-    signer = load_signer(secrets)
+        audit = AuditLog(config.hpc.audit, anchor_signer=signer)
     if adapters is None:
         served = list(clusters) if clusters else config.served_cluster_ids()
         if not served:

@@ -37,6 +37,7 @@ from workers.metrics import MeteredAuditLog, MetricsSource, WorkerMetrics, keep_
 from workers.poller import ChainPoller
 from workers.wiring import (
     WorkerDeps,
+    anchor_signer,
     build_worker_deps,
     connect,
     job_settings,
@@ -407,7 +408,7 @@ async def run_poller(config: Config, *, clusters: Sequence[str] | None = None) -
         lambda: False,
     )
     metrics = WorkerMetrics()
-    audit = MeteredAuditLog(config.hpc.audit, metrics)
+    audit = MeteredAuditLog(config.hpc.audit, metrics, anchor_signer=anchor_signer(Secrets.from_env()))
     chain = await wait_out_transient(
         lambda: asyncio.sleep(0, result=open_chain(config)), "poller start", lambda: False
     )

@@ -1,7 +1,10 @@
 """``virtengine-hpc audit``: check and read the hash-chained audit log.
 
 ``audit verify`` walks the whole chain and names the first line that was edited, removed, inserted or
-reordered (exit 1), so a log that passes has not been touched since it was written. ``audit show`` prints
+reordered (exit 1), then checks the signed anchor beside the log (``<log>.anchor``): its signature must be the
+provider's and the line it anchors must still be in the log with the anchored hash, so lines cut from the end
+and a log rewritten with every hash recomputed fail too. The provider's key comes from ``--public-key`` or
+``--key-file``, else from the keys the ledger has registered for ``provider.address``. ``audit show`` prints
 events, filtered by job and event type. The file is ``hpc.audit.log_path`` from the config unless ``--file``
 says otherwise.
 """
@@ -16,9 +19,12 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from activities.audit import EVENTS, read_events, verify_log
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+
+from activities.audit import EVENTS, KeyLookup, check_anchor, read_events, verify_log
 from virtengine_hpc.cli.common import config_from_args
-from virtengine_hpc.errors import ValidationError
+from virtengine_hpc.errors import HPCError, ValidationError
+from virtengine_hpc.signing import public_key_from_b64
 
 
 def register(subparsers: Any) -> None:
@@ -36,6 +42,14 @@ def register(subparsers: Any) -> None:
         "--anchor",
         metavar="HASH",
         help="a head hash printed by an earlier verify; fails if that line is gone (lines cut from the end)",
+    )
+    key = p.add_mutually_exclusive_group()
+    key.add_argument("--public-key", metavar="B64", help="the provider's raw Ed25519 public key, base64")
+    key.add_argument("--key-file", metavar="PEM", help="the provider's public (or private) key file")
+    key.add_argument(
+        "--unanchored",
+        action="store_true",
+        help="check the hash chain only (a log written by processes without the provider's key)",
     )
     p.set_defaults(func=cmd_verify)
 
@@ -71,8 +85,48 @@ def cmd_verify(args: argparse.Namespace) -> int:
         print(f"FAIL  {path}: anchor {args.anchor[:16]}... is not in the chain (lines removed from the end?)")
         return 1
     head_text = f"; head seq {head['seq']} hash {head['hash']}" if head else ""
-    print(f"OK    {path}: {result.lines} lines, hash chain intact{head_text}")
+    anchor_text = ""
+    if not args.unanchored and head:
+        anchored = check_anchor(path, _key_lookup(args))
+        if not anchored.ok:
+            print(f"FAIL  {path}: {anchored.error} ({result.lines} lines, hash chain intact)")
+            return 1
+        anchor_text = (
+            f"; signed anchor at seq {anchored.seq} ({anchored.anchored_at}, key {anchored.key_id[:16]}...)"
+        )
+        if anchored.unanchored:
+            anchor_text += f", {anchored.unanchored} later lines not anchored yet"
+    print(f"OK    {path}: {result.lines} lines, hash chain intact{head_text}{anchor_text}")
     return 0
+
+
+def _key_lookup(args: argparse.Namespace) -> KeyLookup:
+    """The provider's key for the anchor: given on the command line, else registered on the ledger."""
+    if args.public_key:
+        given = public_key_from_b64(args.public_key)
+        return lambda _kid: given
+    if args.key_file:
+        from virtengine_hpc.cli.usage import load_public_key
+
+        loaded = load_public_key(args.key_file)
+        return lambda _kid: loaded
+    from virtengine_hpc.cli.ledger import open_ledger
+
+    config = config_from_args(args)
+    try:
+        keys = open_ledger(args).provider_keys(config.provider.address)
+    except HPCError as exc:
+        raise ValidationError(
+            f"cannot check the signed anchor: {exc}; pass --public-key or --key-file (or --unanchored)"
+        ) from None
+
+    def lookup(kid: str) -> Ed25519PublicKey | str:
+        found = keys.get(kid)
+        if found is None:
+            return f"key {kid[:16]}... is not registered on the ledger for {config.provider.address}"
+        return public_key_from_b64(found)
+
+    return lookup
 
 
 def _events(path: Path) -> Iterator[dict[str, Any]]:
