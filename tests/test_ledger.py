@@ -263,6 +263,7 @@ async def test_pending_jobs_oldest_first_per_provider_and_cluster(ledger: LocalL
     listed = [j.job_id for j in await ledger.pending_jobs("c1", PROVIDER, 10)]
     assert listed == [a, c, d]
     assert [j.job_id for j in await ledger.pending_jobs("c1", PROVIDER, 2)] == [a, c]
+    assert [j.job_id for j in await ledger.pending_jobs("c1", PROVIDER, 2, after=c)] == [d]
     assert [j.job_id for j in await ledger.pending_jobs("c2", PROVIDER, 10)] == [b, c]
 
     # A pending job stays listed until its workflow reports something (or the poller marks it taken).
@@ -270,6 +271,33 @@ async def test_pending_jobs_oldest_first_per_provider_and_cluster(ledger: LocalL
     await ledger.mark_taken(d)
     await ledger.mark_taken(d)
     assert [j.job_id for j in await ledger.pending_jobs("c1", PROVIDER, 10)] == [c]
+
+
+async def test_open_jobs_are_the_non_final_ones_oldest_first_in_pages(ledger: LocalLedger) -> None:
+    a = ledger.submit_job(spec())
+    b = ledger.submit_job(spec(cluster_id="c2"))
+    c = ledger.submit_job(spec(offering_id="unknown-offering"))  # no cluster: every cluster's
+    d = ledger.submit_job(spec())
+    e = ledger.submit_job(spec())
+    ledger.submit_job(spec(provider="someone-else"))
+    for state in (JobState.QUEUED, JobState.RUNNING):  # running on c1, with a scheduler job
+        await ledger.report_status(
+            StatusReport(job_id=a, state=state, cluster_id="c1", scheduler_job_id="4242")
+        )
+    await ledger.report_status(StatusReport(job_id=d, state=JobState.COMPLETED, cluster_id="c1"))
+    await ledger.mark_taken(e)  # taken but still pending: not final, so still open
+
+    listed = await ledger.open_jobs("c1", PROVIDER, 10)
+    assert [j.job_id for j in listed] == [a, c, e]
+    assert [(j.state, j.scheduler_job_id) for j in listed[:2]] == [
+        (JobState.RUNNING, "4242"),
+        (JobState.PENDING, None),
+    ]
+    assert [j.job_id for j in await ledger.open_jobs("c2", PROVIDER, 10)] == [b, c]
+    first = await ledger.open_jobs("c1", PROVIDER, 2)
+    assert [j.job_id for j in first] == [a, c]
+    assert [j.job_id for j in await ledger.open_jobs("c1", PROVIDER, 2, after=first[-1].job_id)] == [e]
+    assert await ledger.open_jobs("c1", PROVIDER, 2, after=e) == []
 
 
 async def test_tenant_cancel_is_listed_until_the_job_is_final(ledger: LocalLedger) -> None:

@@ -36,6 +36,9 @@ class ChainJob(Model):
     escrow: Decimal = Decimal(0)
     block_height: int = 0
     created_at: datetime
+    scheduler_job_id: str | None = Field(
+        None, description="The scheduler job the provider last reported for it (status reports), if any."
+    )
 
 
 class StatusReport(Model):
@@ -74,12 +77,23 @@ class Settlement(Model):
 class ChainClient(Protocol):
     async def current_height(self) -> int: ...
 
-    async def pending_jobs(self, cluster_id: str, provider: str, limit: int) -> list[ChainJob]:
-        """Jobs for this provider's cluster that no workflow has taken yet (state pending), oldest first."""
+    async def pending_jobs(
+        self, cluster_id: str, provider: str, limit: int, after: str | None = None
+    ) -> list[ChainJob]:
+        """Jobs for this provider's cluster that no workflow has taken yet (state pending), oldest first: at most
+        ``limit`` of them, after job ``after`` (paging)."""
         ...
 
     async def cancel_requested_jobs(self, cluster_id: str, provider: str) -> list[str]:
         """Ids of this provider's non-final jobs whose tenant asked to cancel."""
+        ...
+
+    async def open_jobs(
+        self, cluster_id: str, provider: str, limit: int, after: str | None = None
+    ) -> list[ChainJob]:
+        """This provider's jobs on ``cluster_id`` (or for no cluster in particular) that are not final on chain,
+        pending ones included, oldest first: at most ``limit`` of them, after job ``after`` (paging). The
+        reconciler reads them to find jobs that no open workflow owns."""
         ...
 
     async def get_job(self, job_id: str) -> ChainJob | None: ...

@@ -81,6 +81,7 @@ _JOB_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
 _PENDING_SQL = (
     "SELECT * FROM jobs WHERE provider = ?1 AND state = 'pending' AND taken = 0 "
     "AND (COALESCE(cluster_id, target_cluster_id) = ?2 OR COALESCE(cluster_id, target_cluster_id) IS NULL) "
+    "AND seq > COALESCE((SELECT seq FROM jobs WHERE job_id = ?4), 0) "
     "ORDER BY seq LIMIT ?3"
 )
 _CANCEL_SQL = (
@@ -88,6 +89,13 @@ _CANCEL_SQL = (
     "AND state NOT IN ('completed', 'failed', 'timeout', 'cancelled') "
     "AND (COALESCE(cluster_id, target_cluster_id) = ?2 OR COALESCE(cluster_id, target_cluster_id) IS NULL) "
     "ORDER BY seq"
+)
+_OPEN_SQL = (
+    "SELECT * FROM jobs WHERE provider = ?1 "
+    "AND state NOT IN ('completed', 'failed', 'timeout', 'cancelled') "
+    "AND (COALESCE(cluster_id, target_cluster_id) = ?2 OR COALESCE(cluster_id, target_cluster_id) IS NULL) "
+    "AND seq > COALESCE((SELECT seq FROM jobs WHERE job_id = ?3), 0) "
+    "ORDER BY seq LIMIT ?4"
 )
 _RAN_SQL = (
     "SELECT 1 FROM job_history WHERE job_id = ? AND to_state IN ('starting', 'running', 'suspended') LIMIT 1"
@@ -838,6 +846,7 @@ class LocalLedger:
             escrow=Decimal(row["escrow"]),
             block_height=row["block_height"],
             created_at=_time(row["created_at"]),
+            scheduler_job_id=row["scheduler_job_id"],
         )
 
     def job(self, job_id: str) -> LedgerJob | None:
@@ -874,18 +883,21 @@ class LocalLedger:
 
     # ---- jobs (provider side: ChainClient) -----------------------------------------------------------------
 
-    def _pending_jobs(self, cluster_id: str, provider: str, limit: int) -> list[ChainJob]:
+    def _pending_jobs(self, cluster_id: str, provider: str, limit: int, after: str | None) -> list[ChainJob]:
         with self._tx(write=False) as db:
-            rows = db.execute(_PENDING_SQL, (provider, cluster_id, max(0, limit))).fetchall()
+            rows = db.execute(_PENDING_SQL, (provider, cluster_id, max(0, limit), after)).fetchall()
         return [self._chain_job(r) for r in rows]
 
-    async def pending_jobs(self, cluster_id: str, provider: str, limit: int) -> list[ChainJob]:
-        """Pending jobs of ``provider`` for ``cluster_id`` (or for no cluster in particular), oldest first.
+    async def pending_jobs(
+        self, cluster_id: str, provider: str, limit: int, after: str | None = None
+    ) -> list[ChainJob]:
+        """Pending jobs of ``provider`` for ``cluster_id`` (or for no cluster in particular), oldest first, after
+        job ``after`` (an unknown ``after`` starts from the oldest).
 
         A job stays listed until its workflow reports any status or someone calls ``mark_taken``; the poller
         starts workflows with the job id as workflow id, so listing a job twice never starts it twice.
         """
-        return await asyncio.to_thread(self._pending_jobs, cluster_id, provider, limit)
+        return await asyncio.to_thread(self._pending_jobs, cluster_id, provider, limit, after)
 
     def _mark_taken(self, job_id: str) -> None:
         with self._tx(write=True) as db:
@@ -904,6 +916,18 @@ class LocalLedger:
 
     async def cancel_requested_jobs(self, cluster_id: str, provider: str) -> list[str]:
         return await asyncio.to_thread(self._cancel_requested_jobs, cluster_id, provider)
+
+    def _open_jobs(self, cluster_id: str, provider: str, limit: int, after: str | None) -> list[ChainJob]:
+        with self._tx(write=False) as db:
+            rows = db.execute(_OPEN_SQL, (provider, cluster_id, after, max(0, limit))).fetchall()
+        return [self._chain_job(r) for r in rows]
+
+    async def open_jobs(
+        self, cluster_id: str, provider: str, limit: int, after: str | None = None
+    ) -> list[ChainJob]:
+        """Non-final jobs of ``provider`` on ``cluster_id`` (or for no cluster in particular), oldest first, after
+        job ``after`` (an unknown ``after`` starts from the oldest)."""
+        return await asyncio.to_thread(self._open_jobs, cluster_id, provider, limit, after)
 
     def _get_job(self, job_id: str) -> ChainJob | None:
         with self._tx(write=False) as db:
