@@ -73,6 +73,7 @@ EVENTS: dict[str, Category] = {
     "state_recovered": Category.JOB,
     "job_parked": Category.JOB,
     "duplicate_job_cancelled": Category.JOB,  # this project's own: racing submit attempts' extra job
+    "job_reconciled": Category.JOB,  # this project's own: the reconciler closes a job no open workflow owns
     "usage_reported": Category.USAGE,
     "usage_report_failed": Category.USAGE,
     "accounting_reported": Category.USAGE,

@@ -139,6 +139,13 @@ class JobServiceConfig(Section):
         "job may run before the provider cancels it and reports it timed out; the scheduler normally ends it "
         "first.",
     )
+    reconcile_interval: Duration = Field(
+        timedelta(seconds=60),
+        gt=timedelta(0),
+        description="How often the poller's reconciler looks for chain jobs that are not final while no workflow "
+        "is open for them, and starts a run that closes each (docs/operations.md). A job whose workflow "
+        "closed reaches a final chain state within about this plus one such run.",
+    )
     enable_state_recovery: bool = Field(
         True, description="Kept for compatibility: recovery always comes from Temporal's workflow history."
     )

@@ -143,6 +143,76 @@ class WorkerMetrics:
             "When the jobs gauge was last read from Temporal (unix time).",
             registry=r,
         )
+        # ---- the chain poller and its reconciler (the poller process) ----
+        self.parked = Gauge(
+            f"{PREFIX}_jobs_parked",
+            "Job workflows parked for an operator (their final accounting or a cancel could not be sent), by "
+            "cluster (Temporal visibility, read by the poller's reconciler every reconcile_interval).",
+            ["cluster"],
+            registry=r,
+        )
+        self.chain_pending = Gauge(
+            f"{PREFIX}_chain_pending_jobs",
+            "Pending chain jobs the poller's last poll left without a workflow: waiting for a free slot, or held "
+            "back after their start failed.",
+            ["cluster"],
+            registry=r,
+        )
+        self.free_slots = Gauge(
+            f"{PREFIX}_poller_free_slots",
+            "max_concurrent_jobs minus the cluster's running job workflows at the poller's last poll.",
+            ["cluster"],
+            registry=r,
+        )
+        self.starts = Counter(
+            f"{PREFIX}_poller_starts",
+            "Job workflows the poller started.",
+            ["cluster"],
+            registry=r,
+        )
+        self.start_failures = Counter(
+            f"{PREFIX}_poller_start_failures",
+            "Workflow starts that failed for one job (that job is retried with backoff; the others go on).",
+            ["cluster"],
+            registry=r,
+        )
+        self.poll_failures = Counter(
+            f"{PREFIX}_poll_failures",
+            "Poll rounds that failed, by cause: chain (the chain client) or temporal.",
+            ["cluster", "cause"],
+            registry=r,
+        )
+        self.last_poll = Gauge(
+            f"{PREFIX}_poller_last_poll_timestamp_seconds",
+            "When the poller last completed a poll round (unix time).",
+            ["cluster"],
+            registry=r,
+        )
+        self.reconciled = Counter(
+            f"{PREFIX}_reconciled_jobs",
+            "Recovery runs started for jobs not final on chain while no workflow was open for them, by how the "
+            "earlier run closed (terminated, failed, timed_out, canceled, completed; none: no workflow at all).",
+            ["cluster", "closed_status"],
+            registry=r,
+        )
+        self.reconcile_failures = Counter(
+            f"{PREFIX}_reconcile_failures",
+            "Recovery runs that could not be started (retried with backoff).",
+            ["cluster"],
+            registry=r,
+        )
+        self.reconciler_retrying = Gauge(
+            f"{PREFIX}_reconciler_retrying_jobs",
+            "Jobs still not final on chain, with no open workflow, after a recovery attempt (last round).",
+            ["cluster"],
+            registry=r,
+        )
+        self.last_reconcile = Gauge(
+            f"{PREFIX}_reconciler_last_round_timestamp_seconds",
+            "When the reconciler last completed a round (unix time).",
+            ["cluster"],
+            registry=r,
+        )
         self.up = Gauge(
             f"{PREFIX}_worker_info",
             "Always 1; labels say which build serves which clusters.",
@@ -162,6 +232,14 @@ class WorkerMetrics:
         handler = _AUDIT_HANDLERS.get(event_type)
         if handler is not None:
             handler(self, cluster, success, details)
+
+    def watch_poller(self, cluster_id: str) -> None:
+        """Create the poller's series of ``cluster_id`` at zero, so rate and increase see them from the start."""
+        self.starts.labels(cluster_id)
+        self.start_failures.labels(cluster_id)
+        self.reconcile_failures.labels(cluster_id)
+        for cause in ("chain", "temporal"):
+            self.poll_failures.labels(cluster_id, cause)
 
     # ---- status queries -------------------------------------------------------------------------------------
 
@@ -189,6 +267,17 @@ def _violation(m: WorkerMetrics, cluster: str, success: bool, d: Mapping[str, An
         m.violations.labels(kind, "true" if d.get("enforced", True) else "false").inc()
 
 
+_CLOSED_STATUSES = frozenset({"TERMINATED", "FAILED", "TIMED_OUT", "CANCELED", "COMPLETED"})
+
+
+def _reconciled(m: WorkerMetrics, cluster: str, success: bool, d: Mapping[str, Any]) -> None:
+    if not success:
+        m.reconcile_failures.labels(cluster).inc()
+        return
+    status = d.get("closed_status")
+    m.reconciled.labels(cluster, status.lower() if status in _CLOSED_STATUSES else "none").inc()
+
+
 _AUDIT_HANDLERS: dict[str, Callable[[WorkerMetrics, str, bool, Mapping[str, Any]], None]] = {
     "job_lifecycle_event": _transition,
     "job_submitted": _submitted,
@@ -203,6 +292,7 @@ _AUDIT_HANDLERS: dict[str, Callable[[WorkerMetrics, str, bool, Mapping[str, Any]
     "routing_fallback_used": lambda m, c, s, d: m.routing.labels("fallback").inc(),
     "routing_enforcement_failed": lambda m, c, s, d: m.routing.labels("rejected").inc(),
     "routing_violation": _violation,
+    "job_reconciled": _reconciled,
 }
 
 

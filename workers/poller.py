@@ -5,8 +5,18 @@ the chain job id, with the duplicate-id policy that refuses a second run: a poll
 seen twice can never start a job twice (the reference kept its "seen" set in memory). It never lets more than
 ``max_concurrent_jobs`` workflows of its cluster run at once; the rest wait on chain (audit ``job_queue_full``),
 none is dropped. A job whose spec does not validate is failed on chain with the reason (audit
-``job_validation_failed``) while every other job goes on. Tenant cancellations seen on chain become ``cancel``
-signals.
+``job_validation_failed``) while every other job goes on.
+
+No job can stall the intake: a pending job whose workflow already ran and closed (terminated before it reported
+anything) is handed to the reconciler, which starts the run that closes it; a job whose start fails on its own is
+tried again with backoff while the fetch window grows past it, so the jobs behind it still start.
+
+Tenant cancellations seen on chain become ``cancel`` signals. Only Temporal's NOT_FOUND answer means "no
+workflow": then a job still pending on chain that never had a workflow is cancelled (and refunded) on chain
+directly, and one whose workflow closed goes to the reconciler. Any other error is retried next round and never
+touches the chain, since a workflow may still run the job.
+
+Beside the polls, the reconciler (``workers/reconciler.py``) runs its own loop every ``reconcile_interval``.
 """
 
 from __future__ import annotations
@@ -15,13 +25,14 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from pydantic import ValidationError as PydanticValidationError
-from temporalio.client import Client, WorkflowHandle
+from temporalio.client import Client, WorkflowExecutionStatus, WorkflowHandle
 from temporalio.common import WorkflowIDConflictPolicy, WorkflowIDReusePolicy
 from temporalio.exceptions import WorkflowAlreadyStartedError
-from temporalio.service import RPCError
+from temporalio.service import RPCError, RPCStatusCode
 
 from activities.audit import AuditLog
 from activities.chain.client import ChainClient, ChainJob, StatusReport
@@ -30,9 +41,18 @@ from virtengine_hpc.errors import HPCError
 from virtengine_hpc.messages import JOB_WORKFLOW_NAME, CancelRequest, JobSettings, JobWorkflowInput
 from virtengine_hpc.models import JobSpec
 from virtengine_hpc.states import JobState
+from workers.metrics import WorkerMetrics
+from workers.reconciler import Backoff, Reconciler
 from workflows.hpc_job import initial_search_attributes
 
 log = logging.getLogger(__name__)
+
+MAX_START_BACKOFF_SECONDS = 300.0
+"""Longest wait before a job whose workflow start failed is tried again."""
+_SERVICE_DOWN = frozenset(
+    {RPCStatusCode.UNAVAILABLE, RPCStatusCode.DEADLINE_EXCEEDED, RPCStatusCode.RESOURCE_EXHAUSTED}
+)
+"""Answers that concern Temporal as a whole, not one job: the round ends and the next one tries again."""
 
 
 @dataclass
@@ -42,6 +62,8 @@ class PollStats:
     waiting: int = 0
     cancelled: list[str] = field(default_factory=list)
     paused: int = 0  # pending jobs left on chain because hpc.enabled is false
+    recovered: list[str] = field(default_factory=list)  # closed workflows handed to the reconciler
+    held: list[str] = field(default_factory=list)  # jobs whose start failed, waiting for their retry
 
 
 class ChainPoller:
@@ -54,6 +76,8 @@ class ChainPoller:
         *,
         task_queue: str,
         settings: JobSettings,
+        metrics: WorkerMetrics | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.client = client
         self.chain = chain
@@ -63,10 +87,29 @@ class ChainPoller:
         self.settings = settings
         self.cluster_id = config.hpc.cluster_id
         self.provider = config.provider.address
+        self.metrics = metrics
         self._recent: dict[str, float] = {}  # started but perhaps not yet visible in the visibility store
         self._signalled: set[str] = set()
+        interval = config.hpc.job_service.job_poll_interval.total_seconds()
+        self._holds = Backoff(max(interval, 1.0), MAX_START_BACKOFF_SECONDS, clock)
+        self.reconciler = Reconciler(
+            client,
+            chain,
+            config,
+            audit,
+            task_queue=task_queue,
+            settings=settings,
+            metrics=metrics,
+            clock=clock,
+        )
+        if metrics is not None:
+            metrics.watch_poller(self.cluster_id)
 
     async def run(self, stop: asyncio.Event) -> None:
+        """Poll every ``job_poll_interval`` and reconcile every ``reconcile_interval`` until ``stop``."""
+        await asyncio.gather(self._poll_loop(stop), self.reconciler.run(stop))
+
+    async def _poll_loop(self, stop: asyncio.Event) -> None:
         interval = self.config.hpc.job_service.job_poll_interval.total_seconds()
         if not self.config.hpc.enabled:
             log.warning(
@@ -77,10 +120,14 @@ class ChainPoller:
         while not stop.is_set():
             try:
                 await self.poll_once()
+                if self.metrics is not None:
+                    self.metrics.last_poll.labels(self.cluster_id).set(time.time())
             except HPCError as exc:  # chain unreachable: try again next round, lose nothing
                 log.warning("poll failed: %s", exc, extra={"cluster_id": self.cluster_id})
+                self._count_failure("chain")
             except RPCError as exc:
                 log.warning("poll failed talking to Temporal: %s", exc, extra={"cluster_id": self.cluster_id})
+                self._count_failure("temporal")
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), timeout=interval)
 
@@ -105,16 +152,7 @@ class ChainPoller:
             return stats
         limit = self.config.hpc.job_service.max_concurrent_jobs
         running = await self.running_ids()
-        free = limit - len(running)
-        pending = await self.chain.pending_jobs(self.cluster_id, self.provider, limit=limit + 100)
-        pending = [job for job in pending if job.job_id not in running]
-        for job in pending:
-            if free <= 0:
-                stats.waiting += 1
-                continue
-            started = await self._start(job, stats)
-            if started:
-                free -= 1
+        await self._take_pending(stats, running, limit - len(running))
         if stats.waiting:
             self.audit.record(
                 "job_queue_full",
@@ -123,6 +161,32 @@ class ChainPoller:
                 details={"waiting": stats.waiting, "running": len(running), "max_concurrent_jobs": limit},
             )
         return stats
+
+    async def _take_pending(self, stats: PollStats, running: set[str], free: int) -> None:
+        """Start pending jobs oldest first while slots are free. Jobs that cannot start right now (their start
+        failed, or the reconciler is closing them) are stepped over, and the next page is read while slots are
+        still free, so that no number of them keeps a fresh job from starting."""
+        window = self.config.hpc.job_service.max_concurrent_jobs + 100
+        held = self._holds.waiting_ids() | self.reconciler.backoff.waiting_ids()
+        seen: list[str] = []
+        after: str | None = None
+        while True:
+            page = await self.chain.pending_jobs(self.cluster_id, self.provider, limit=window, after=after)
+            seen += [job.job_id for job in page]
+            for job in page:
+                if job.job_id in running:
+                    continue
+                if job.job_id in held:
+                    stats.held.append(job.job_id)
+                elif free <= 0:
+                    stats.waiting += 1
+                elif await self._try_start(job, stats):
+                    free -= 1
+            if len(page) < window or free <= 0:
+                break
+            after = page[-1].job_id
+        self._holds.keep_only(seen)
+        self._set_gauges(len(set(seen) - running - set(stats.started) - set(stats.recovered)), free)
 
     async def _start(self, chain_job: ChainJob, stats: PollStats) -> bool:
         try:
@@ -147,6 +211,7 @@ class ChainPoller:
                 search_attributes=initial_search_attributes(inp),
             )
         except WorkflowAlreadyStartedError:
+            await self._already_started(chain_job, stats)
             return False
         self._recent[spec.job_id] = time.monotonic()
         stats.started.append(spec.job_id)
@@ -173,32 +238,114 @@ class ChainPoller:
         )
         stats.rejected.append(chain_job.job_id)
 
+    async def _try_start(self, job: ChainJob, stats: PollStats) -> bool:
+        """``_start``, with the failures that concern this job alone held back for a while instead of ending the
+        round: the other pending jobs still start."""
+        try:
+            started = await self._start(job, stats)
+        except RPCError as exc:
+            if exc.status in _SERVICE_DOWN:
+                raise
+            self._hold(job, exc, stats)
+            return False
+        except HPCError as exc:
+            if exc.transient:
+                raise
+            self._hold(job, exc, stats)
+            return False
+        if started and self.metrics is not None:
+            self.metrics.starts.labels(self.cluster_id).inc()
+        return started
+
+    async def _already_started(self, job: ChainJob, stats: PollStats) -> None:
+        """The job's workflow id is taken: by an open run (fine: visibility had not shown it yet) or by a closed
+        one that left the job pending on chain, which the reconciler closes."""
+        try:
+            found = await self.client.get_workflow_handle(job.job_id).describe()
+        except RPCError as exc:
+            if exc.status in _SERVICE_DOWN:
+                raise
+            self._hold(job, exc, stats)
+            return
+        if found.status == WorkflowExecutionStatus.RUNNING:
+            return
+        if await self.reconciler.recover(job, found):
+            stats.recovered.append(job.job_id)
+
+    def _hold(self, job: ChainJob, error: Exception, stats: PollStats) -> None:
+        delay = self._holds.attempted(job.job_id)
+        stats.held.append(job.job_id)
+        if self.metrics is not None:
+            self.metrics.start_failures.labels(self.cluster_id).inc()
+        log.warning(
+            "cannot start the workflow of job %s: %s; trying it again in %.0f s, the other jobs go on",
+            job.job_id,
+            error,
+            delay,
+            extra={"job_id": job.job_id, "cluster_id": self.cluster_id},
+        )
+
+    def _set_gauges(self, pending: int, free: int) -> None:
+        if self.metrics is not None:
+            self.metrics.chain_pending.labels(self.cluster_id).set(pending)
+            self.metrics.free_slots.labels(self.cluster_id).set(max(free, 0))
+
+    def _count_failure(self, cause: str) -> None:
+        if self.metrics is not None:
+            self.metrics.poll_failures.labels(self.cluster_id, cause).inc()
+
     async def _forward_cancellations(self, stats: PollStats) -> None:
-        for job_id in await self.chain.cancel_requested_jobs(self.cluster_id, self.provider):
+        requested = await self.chain.cancel_requested_jobs(self.cluster_id, self.provider)
+        self._signalled &= set(requested)  # the others are final now
+        for job_id in requested:
             if job_id in self._signalled:
                 continue
             handle: WorkflowHandle[object, object] = self.client.get_workflow_handle(job_id)
             try:
                 await handle.signal("cancel", CancelRequest(reason="cancelled by the tenant on chain"))
-            except RPCError:
-                # No workflow yet (still waiting for a slot): cancel it on chain directly.
-                job = await self.chain.get_job(job_id)
-                if job is not None and job.state == JobState.PENDING:
-                    await self.chain.report_status(
-                        StatusReport(
-                            job_id=job_id, state=JobState.CANCELLED, message="cancelled by the tenant"
-                        )
+            except RPCError as exc:
+                if exc.status != RPCStatusCode.NOT_FOUND:
+                    # The workflow may well be running the job: touch nothing, try again next round.
+                    log.warning(
+                        "cannot forward the tenant's cancel of job %s: %s; trying again next round",
+                        job_id,
+                        exc,
+                        extra={"job_id": job_id, "cluster_id": self.cluster_id},
                     )
-                    self.audit.record(
-                        "job_cancelled",
-                        job_id=job_id,
-                        cluster_id=self.cluster_id,
-                        details={"reason": "cancelled before it started"},
-                    )
-                else:
+                    continue
+                if not await self._cancel_without_workflow(handle, job_id):
                     continue
             self._signalled.add(job_id)
             stats.cancelled.append(job_id)
+
+    async def _cancel_without_workflow(self, handle: WorkflowHandle[object, object], job_id: str) -> bool:
+        """The signal found no running workflow. Cancel the job on chain directly (escrow refunded) only if it is
+        still pending and no workflow ever ran for it; a closed workflow may have left a scheduler job behind,
+        so such a job goes to the reconciler, whose run stops it first. True when cancelled here."""
+        try:
+            closed = await handle.describe()
+        except RPCError as exc:
+            if exc.status != RPCStatusCode.NOT_FOUND:
+                return False
+            closed = None
+        if closed is not None and closed.status == WorkflowExecutionStatus.RUNNING:
+            return False  # it started meanwhile: the signal goes through next round
+        job = await self.chain.get_job(job_id)
+        if job is None or job.state.final:
+            return False
+        if closed is not None or job.state != JobState.PENDING:
+            await self.reconciler.recover(job, closed)
+            return False
+        await self.chain.report_status(
+            StatusReport(job_id=job_id, state=JobState.CANCELLED, message="cancelled by the tenant")
+        )
+        self.audit.record(
+            "job_cancelled",
+            job_id=job_id,
+            cluster_id=self.cluster_id,
+            details={"reason": "cancelled before it started"},
+        )
+        return True
 
 
 def _summarize(exc: PydanticValidationError) -> str:

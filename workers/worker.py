@@ -192,7 +192,8 @@ class WorkerProcess:
             self._worker_tasks[cluster_id] = asyncio.create_task(worker.run(), name=f"worker-{cluster_id}")
         if self.with_poller:
             self.pollers = [
-                _poller(client, deps.chain, config, deps.audit, cluster_id) for cluster_id in deps.cluster_ids
+                _poller(client, deps.chain, config, deps.audit, cluster_id, self.metrics)
+                for cluster_id in deps.cluster_ids
             ]
             self._side_tasks += [asyncio.create_task(p.run(self._stop)) for p in self.pollers]
         interval = config.metrics.jobs_refresh_interval.total_seconds()
@@ -357,7 +358,12 @@ def search_attributes_check(client: Client, namespace: str) -> Callable[[], Awai
 
 
 def _poller(
-    client: Client, chain: ChainClient, config: Config, audit: AuditLog, cluster_id: str
+    client: Client,
+    chain: ChainClient,
+    config: Config,
+    audit: AuditLog,
+    cluster_id: str,
+    metrics: WorkerMetrics,
 ) -> ChainPoller:
     return ChainPoller(
         client,
@@ -366,6 +372,7 @@ def _poller(
         audit,
         task_queue=task_queue(config, cluster_id),
         settings=job_settings(config, cluster_id),
+        metrics=metrics,
     )
 
 
@@ -413,7 +420,7 @@ async def run_poller(config: Config, *, clusters: Sequence[str] | None = None) -
         lambda: asyncio.sleep(0, result=open_chain(config)), "poller start", lambda: False
     )
     served = list(clusters) if clusters else config.served_cluster_ids()
-    pollers = [_poller(client, chain, config, audit, cluster_id) for cluster_id in served]
+    pollers = [_poller(client, chain, config, audit, cluster_id, metrics) for cluster_id in served]
     stop = asyncio.Event()
     health = None
     if config.metrics.listen:
