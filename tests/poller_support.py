@@ -8,7 +8,7 @@ import contextlib
 import uuid
 from typing import Any, cast
 
-from temporalio.client import Client, WorkflowHandle
+from temporalio.client import Client, WorkflowExecutionStatus, WorkflowHandle
 from temporalio.common import SearchAttributePair, WorkflowIDReusePolicy
 from temporalio.service import RPCError, RPCStatusCode
 
@@ -118,12 +118,21 @@ async def terminate_all(client: Client, workflow_ids: list[str]) -> None:
             await client.get_workflow_handle(workflow_id).terminate("test cleanup")
 
 
-async def settle_visibility(client: Client, queue: str, *, running: int = 0, timeout: float = 30) -> None:
-    """Wait until visibility lists exactly ``running`` open workflows on ``queue`` (it lags starts and closes by a
-    moment; the poller's running count and the reconciler's first look read it)."""
-    query = f"TaskQueue = '{queue}' AND ExecutionStatus = 'Running'"
+async def visibility_shows(
+    client: Client, statuses: dict[str, WorkflowExecutionStatus], timeout: float = 30
+) -> None:
+    """Wait until Temporal's visibility store lists the latest run of each workflow id with the given status. It
+    lags starts and closes by a moment, and the poller's running count and the reconciler's first look read it;
+    a test that wants one poll or round to see everything waits for it first."""
+    ids = sorted(statuses)
     for _ in range(int(timeout / 0.1)):
-        if (await client.count_workflows(query)).count == running:
+        latest: dict[str, tuple[object, WorkflowExecutionStatus | None]] = {}
+        for chunk in range(0, len(ids), 100):
+            quoted = ", ".join(f"'{i}'" for i in ids[chunk : chunk + 100])
+            async for w in client.list_workflows(f"WorkflowId IN ({quoted})"):
+                if w.id not in latest or w.start_time > latest[w.id][0]:  # type: ignore[operator]
+                    latest[w.id] = (w.start_time, w.status)
+        if {i: latest.get(i, (None, None))[1] for i in ids} == statuses:
             return
         await asyncio.sleep(0.1)
-    raise AssertionError(f"visibility does not list {running} running workflows on {queue}")
+    raise AssertionError("visibility does not show the expected workflow states")

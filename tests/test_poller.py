@@ -25,10 +25,10 @@ from tests.poller_support import (
     FaultyClient,
     idle_queue,
     rpc_error,
-    settle_visibility,
     start_idle,
     started_input,
     terminate_all,
+    visibility_shows,
 )
 from virtengine_hpc.messages import JobResult
 from virtengine_hpc.states import JobState
@@ -169,7 +169,7 @@ async def test_jobs_whose_workflows_closed_do_not_keep_a_fresh_job_from_starting
     for chunk in range(0, len(stuck), 25):
         handles = await asyncio.gather(*(start_idle(pipe, j, queue) for j in stuck[chunk : chunk + 25]))
         await asyncio.gather(*(h.terminate("closed before it reported") for h in handles))
-    await settle_visibility(client, queue)
+    await visibility_shows(client, dict.fromkeys(stuck, WorkflowExecutionStatus.TERMINATED))
     fresh = pipe.submit()
 
     counting = FaultyClient(client)

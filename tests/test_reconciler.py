@@ -25,10 +25,10 @@ from tests.poller_support import (
     FaultyClient,
     idle_queue,
     rpc_error,
-    settle_visibility,
     start_idle,
     started_input,
     terminate_all,
+    visibility_shows,
 )
 from virtengine_hpc.messages import Recovery
 from virtengine_hpc.states import JobState
@@ -106,7 +106,8 @@ async def test_closed_or_missing_workflows_get_one_recovery_run_and_open_ones_ar
     done = pipe.submit()  # final on chain: nothing to do even though its workflow is closed
     await (await start_idle(pipe, done, queue)).terminate("after it finished")
     await report(pipe, done, JobState.QUEUED, JobState.COMPLETED)
-    await settle_visibility(client, queue, running=1)
+    closed_runs = dict.fromkeys([terminated, never_reported, done], WorkflowExecutionStatus.TERMINATED)
+    await visibility_shows(client, {**closed_runs, running: WorkflowExecutionStatus.RUNNING})
 
     counting, metrics, clock = FaultyClient(client), WorkerMetrics(), Clock()
     rec = reconciler(pipe, counting, queue, metrics, clock)
@@ -119,13 +120,12 @@ async def test_closed_or_missing_workflows_get_one_recovery_run_and_open_ones_ar
         reason="its workflow closed (TERMINATED) while the chain shows the job running",
         closed_status="TERMINATED",
         scheduler_job_id="4242",
+        cluster_id=pipe.cluster_id,
         chain_state=JobState.RUNNING,
     )
-    assert inputs[never_reported] is not None
-    assert (inputs[never_reported].closed_status, inputs[never_reported].chain_state) == (
-        "TERMINATED",
-        JobState.PENDING,
-    )
+    pending_one = inputs[never_reported]
+    assert pending_one is not None
+    assert (pending_one.closed_status, pending_one.chain_state) == ("TERMINATED", JobState.PENDING)
     assert inputs[orphan] == Recovery(
         reason="no workflow exists for the job while the chain shows it running",
         closed_status="",
@@ -139,7 +139,9 @@ async def test_closed_or_missing_workflows_get_one_recovery_run_and_open_ones_ar
 
     events = {e["job_id"]: e for e in pipe.audit_events("job_reconciled")}
     assert sorted(events) == sorted(stats.recovered)
-    assert events[terminated]["details"]["reason"] == inputs[terminated].reason
+    assert events[terminated]["details"]["reason"] == (
+        "its workflow closed (TERMINATED) while the chain shows the job running"
+    )
     assert events[terminated]["details"]["closed_status"] == "TERMINATED"
     assert events[orphan]["details"]["closed_status"] == ""
     assert counted(metrics, "reconciled_jobs_total", cluster=pipe.cluster_id, closed_status="terminated") == 2
@@ -163,7 +165,7 @@ async def test_a_recovery_that_cannot_start_is_retried_with_backoff_and_reported
     job_id = pipe.submit()
     await (await start_idle(pipe, job_id, queue)).terminate("operator")
     await report(pipe, job_id, JobState.QUEUED)
-    await settle_visibility(client, queue)
+    await visibility_shows(client, {job_id: WorkflowExecutionStatus.TERMINATED})
     faulty = FaultyClient(client, start_errors={job_id: rpc_error(RPCStatusCode.INVALID_ARGUMENT)})
     metrics, clock = WorkerMetrics(), Clock()
     rec = reconciler(pipe, faulty, queue, metrics, clock)
@@ -206,7 +208,7 @@ async def test_a_recovery_run_that_ends_without_closing_the_job_is_not_restarted
     assert (await rec.reconcile_once()).recovered == [job_id]
 
     await client.get_workflow_handle(job_id).terminate("the recovery run was terminated too")
-    await settle_visibility(client, queue)
+    await visibility_shows(client, {job_id: WorkflowExecutionStatus.TERMINATED})
     stats = await rec.reconcile_once()
     assert (stats.recovered, stats.retrying, stats.deferred) == ([], 1, 1)
     clock.now += INTERVAL

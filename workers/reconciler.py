@@ -42,7 +42,7 @@ from activities.audit import AuditLog
 from activities.chain.client import ChainClient, ChainJob
 from virtengine_hpc.config import Config
 from virtengine_hpc.errors import HPCError
-from virtengine_hpc.messages import JOB_WORKFLOW_NAME, JobSettings, JobWorkflowInput, Recovery
+from virtengine_hpc.messages import JOB_WORKFLOW_NAME, PARKED, JobSettings, JobWorkflowInput, Recovery
 from virtengine_hpc.models import JobSpec
 from virtengine_hpc.states import JobState
 from workers.metrics import WorkerMetrics
@@ -134,6 +134,7 @@ class Reconciler:
         self.provider = config.provider.address
         self.interval = config.hpc.job_service.reconcile_interval.total_seconds()
         self.backoff = Backoff(self.interval, max(MAX_BACKOFF_SECONDS, self.interval), clock)
+        self.rounds = 0  # rounds completed (tests wait on it)
 
     async def run(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
@@ -165,6 +166,7 @@ class Reconciler:
             after = page[-1].job_id
         self.backoff.keep_only(seen)  # jobs that became final need no more backoff
         await self._refresh_gauges(stats)
+        self.rounds += 1
         return stats
 
     async def _check_page(self, page: list[ChainJob], stats: ReconcileStats) -> None:
@@ -273,6 +275,7 @@ class Reconciler:
 
     def _recovery(self, job: ChainJob, closed: WorkflowExecutionDescription | None) -> Recovery:
         state = job.state.value
+        cluster_id: str | None = None
         if closed is None:
             reason = f"no workflow exists for the job while the chain shows it {state}"
             status, scheduler_job_id = "", job.scheduler_job_id
@@ -280,10 +283,15 @@ class Reconciler:
             status = closed.status.name if closed.status is not None else ""
             reason = f"its workflow closed ({status}) while the chain shows the job {state}"
             scheduler_job_id = closed.typed_search_attributes.get(SA_SCHEDULER_JOB) or job.scheduler_job_id
+            cluster_id = closed.typed_search_attributes.get(SA_CLUSTER)  # where routing had sent it
         if job.cancel_requested:
             reason += "; the tenant asked to cancel it"
         return Recovery(
-            reason=reason, closed_status=status, scheduler_job_id=scheduler_job_id, chain_state=job.state
+            reason=reason,
+            closed_status=status,
+            scheduler_job_id=scheduler_job_id,
+            cluster_id=cluster_id,
+            chain_state=job.state,
         )
 
     def _found(self, job: ChainJob, recovery: Recovery) -> None:
@@ -331,7 +339,7 @@ class Reconciler:
         self.metrics.reconciler_retrying.labels(self.cluster_id).set(stats.retrying)
         count = await self.client.count_workflows(
             f"WorkflowType = '{JOB_WORKFLOW_NAME}' AND ExecutionStatus = 'Running' "
-            f"AND VeJobState = 'parked' AND VeClusterId = '{self.cluster_id}'"
+            f"AND VeJobState = '{PARKED}' AND VeClusterId = '{self.cluster_id}'"
         )
         self.metrics.parked.labels(self.cluster_id).set(count.count)
         self.metrics.last_reconcile.labels(self.cluster_id).set(time.time())
