@@ -177,11 +177,6 @@ class Reconciler:
                 continue  # an open workflow owns it
             if job.state == JobState.PENDING and job.job_id not in known:
                 continue  # no workflow yet: the poller's intake starts it
-            if self.backoff.attempts(job.job_id):
-                stats.retrying += 1
-                if self.backoff.waiting(job.job_id):
-                    stats.deferred += 1
-                    continue
             await self._confirm(job, stats)
 
     async def _visible(self, job_ids: list[str]) -> tuple[set[str], set[str]]:
@@ -223,6 +218,11 @@ class Reconciler:
             return
         if closed is None and job.state == JobState.PENDING:
             return
+        if self.backoff.attempts(job.job_id):  # an earlier attempt did not close it
+            stats.retrying += 1
+            if self.backoff.waiting(job.job_id):
+                stats.deferred += 1
+                return
         await self.recover(job, closed, stats)
 
     async def recover(
