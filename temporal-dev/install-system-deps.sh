@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Install the Debian packages that the local SLURM stack needs (slurm-up.sh).
+# Install the Debian packages that the local SLURM stack needs (slurm-up.sh), and promtool for the alert tests.
 #
 # Idempotent: when every package is already installed it does not touch apt at all.
 # Must run as root on Debian 12 (bookworm). apt never starts the daemons: a temporary
@@ -14,6 +14,8 @@ PACKAGES=(
   procps iproute2 curl passwd util-linux
   # workload templates: real MPI (mpirun, mpi4py; libpmix-dev lets srun --mpi=pmix load PMIx), Dask (data-processing)
   openmpi-bin python3-mpi4py libpmix-dev python3-distributed
+  # promtool, which tests the operators' alert rules (deploy/prometheus/alerts.yml; apt never starts the server)
+  prometheus
 )
 
 log() { printf 'install-system-deps: %s\n' "$*" >&2; }

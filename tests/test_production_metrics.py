@@ -163,6 +163,14 @@ async def test_counters_after_a_known_run(
     assert any(n.startswith("temporal_") for n in names), sorted(names)[:20]
     assert any(n.startswith("temporal_workflow_completed") for n in names)
     assert value(s, "virtengine_hpc_worker_info", build_id="", clusters=A) == 1
+    # The poller and its reconciler (run by this process): four starts, none failed, nothing left behind.
+    assert value(s, "virtengine_hpc_poller_starts_total", cluster=A) == 4
+    assert value(s, "virtengine_hpc_poller_start_failures_total", cluster=A) == 0
+    assert value(s, "virtengine_hpc_poll_failures_total", cluster=A, cause="chain") == 0
+    assert value(s, "virtengine_hpc_poller_last_poll_timestamp_seconds", cluster=A) > 0
+    assert value(s, "virtengine_hpc_reconciler_last_round_timestamp_seconds", cluster=A) > 0
+    assert value(s, "virtengine_hpc_jobs_parked", cluster=A) == 0
+    assert value(s, "virtengine_hpc_reconcile_failures_total", cluster=A) == 0
     # Nothing runs any more.
     deadline = time.monotonic() + 10
     while value(s, "virtengine_hpc_jobs", cluster=A, state="running") != 0 and time.monotonic() < deadline:
