@@ -9,15 +9,18 @@ Workflows here run on a task queue that no worker serves, so that what is tested
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from temporalio.client import Client, WorkflowExecutionStatus
 from temporalio.service import RPCStatusCode
 
-from activities.chain.client import StatusReport
+from activities.chain.client import ChainJob, StatusReport
+from activities.chain.local_ledger import LocalLedger
 from tests.conftest import make_config
 from tests.memory_adapter import MemoryAdapter
 from tests.pipeline_harness import Pipeline, running_pipeline
@@ -253,3 +256,50 @@ async def test_the_parked_gauge_counts_parked_job_workflows_of_the_cluster(
     assert counted(metrics, "jobs_parked", cluster=pipe.cluster_id) == 2
     assert counted(metrics, "reconciler_last_round_timestamp_seconds", cluster=pipe.cluster_id) > 0
     await terminate_all(client, parked)
+
+
+async def test_a_round_that_breaks_does_not_end_the_reconciler(
+    client: Client, tmp_path: Path, key_path: Path, task_queue: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    config = make_config(
+        tmp_path,
+        hpc={"cluster_id": f"c-{uuid.uuid4().hex[:8]}", "job_service": {"reconcile_interval": "100ms"}},
+    )
+    async with running_pipeline(client, config, key_path, MemoryAdapter(), task_queue) as p:
+        job_id = p.submit()
+        await report(p, job_id, JobState.QUEUED, JobState.RUNNING)  # no workflow: a finding
+        broken = BrokenOnce(p.ledger)
+        rec = Reconciler(
+            client, broken, config, p.deps.audit, task_queue=idle_queue(), settings=job_settings(config)
+        )
+        stop = asyncio.Event()
+        loop = asyncio.create_task(rec.run(stop))
+        try:
+            for _ in range(300):
+                if rec.rounds:
+                    break
+                await asyncio.sleep(0.05)
+        finally:
+            stop.set()
+            await loop
+        assert rec.rounds >= 1 and broken.calls >= 2
+        assert "reconcile round failed" in caplog.text
+        assert [e["job_id"] for e in p.audit_events("job_reconciled")] == [job_id]
+        await terminate_all(client, [job_id])
+
+
+class BrokenOnce:
+    """The ledger, whose first ``open_jobs`` fails with an unexpected error (a bug, not an outage)."""
+
+    def __init__(self, ledger: LocalLedger) -> None:
+        self.ledger = ledger
+        self.calls = 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.ledger, name)
+
+    async def open_jobs(self, *args: Any, **kwargs: Any) -> list[ChainJob]:
+        self.calls += 1
+        if self.calls == 1:
+            raise ValueError("unexpected")
+        return await self.ledger.open_jobs(*args, **kwargs)

@@ -146,6 +146,8 @@ class Reconciler:
                 log.warning(
                     "reconcile failed talking to Temporal: %s", exc, extra={"cluster_id": self.cluster_id}
                 )
+            except Exception:  # a bug must not end the loop that closes every abandoned job: log it, go on
+                log.exception("reconcile round failed", extra={"cluster_id": self.cluster_id})
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), timeout=self.interval)
 
