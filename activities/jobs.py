@@ -343,15 +343,19 @@ class JobActivities:
         behind the queue) before it is reported as not found.
         """
         batcher = self.batcher(request.cluster_id, request.poll_interval_seconds)
-        missing_since = request.missing_since
+        attempt = Attempt.current()
+        # A retried watch goes on from what its predecessor last saw: a vanished job's grace period runs from
+        # when it first went missing, not from whenever the latest attempt started.
+        missing_since = attempt.progress.missing_since if attempt.resumed else request.missing_since
+        last_seen = attempt.progress.last_state or request.last_state
         while True:
             now = datetime.now(UTC)
             try:
                 # A status query can take longer than the heartbeat timeout (a controller that is down makes
                 # Slurm's commands retry for a while): keep heartbeating while it runs.
-                status = await heartbeating(batcher.status(request.scheduler_job_id))
+                status = await heartbeating(batcher.status(request.scheduler_job_id), attempt)
             except SchedulerError as exc:
-                activity.heartbeat({"last_state": request.last_state.value, "error": str(exc)[:200]})
+                attempt.record(error=str(exc)[:200])
                 status = None
             if status is not None:
                 if not status.found:
@@ -359,22 +363,26 @@ class JobActivities:
                     if (now - missing_since).total_seconds() >= request.vanished_grace_seconds:
                         return WatchOutput(status=status, changed=True, missing_since=missing_since)
                 else:
-                    missing_since = None
+                    missing_since, last_seen = None, status.state
                     if status.state != request.last_state:
                         return WatchOutput(status=status, changed=True)
-                activity.heartbeat({"last_state": status.state.value, "found": status.found})
+                attempt.record(
+                    last_state=last_seen, found=status.found, missing_since=missing_since, error=None
+                )
                 if datetime.now(UTC) >= request.return_by:
-                    usage = await self._periodic_report(request, status)
+                    usage = await self._periodic_report(request, status, attempt)
                     return WatchOutput(status=status, changed=False, missing_since=missing_since, usage=usage)
             elif datetime.now(UTC) >= request.return_by:
                 raise ApplicationError("scheduler unreachable; watch retried", type="SchedulerUnavailable")
 
-    async def _periodic_report(self, request: WatchInput, status: NativeStatus) -> UsageOutput | None:
+    async def _periodic_report(
+        self, request: WatchInput, status: NativeStatus, attempt: Attempt
+    ) -> UsageOutput | None:
         """The report a watch carries, sent only while the job runs; a failure leaves it to ``report_usage``."""
         if request.report is None or not status.found or status.state != JobState.RUNNING:
             return None
         try:
-            return await self._report_usage(request.report)
+            return await self._report_usage(request.report, attempt)
         except ApplicationError as err:
             if not err.non_retryable:
                 raise  # transient (chain or scheduler busy): retry the watch, which adopts a record already sent
@@ -453,37 +461,22 @@ class JobActivities:
     async def report_usage(self, request: UsageInput) -> UsageOutput:
         """Sign and send one usage record (and, when final, the accounting that settles the job).
 
-        Idempotent: the record id is deterministic, and a retry that finds its record already on chain adopts it
-        instead of signing a second, different reading under the same id.
+        Idempotent across attempts, even overlapping ones: the record id is deterministic; the signed record is
+        heartbeated before it is sent and a retry sends that same record again, never a new reading; and when
+        the chain answers "duplicate" (an earlier attempt's record got there first), the stored record is read
+        back and carried forward, so the records always add up to the final accounting.
         """
-        return await self._report_usage(request)
+        return await self._report_usage(request, Attempt.current())
 
-    async def _report_usage(self, request: UsageInput) -> UsageOutput:
+    async def _report_usage(self, request: UsageInput, attempt: Attempt) -> UsageOutput:
         job = request.job
         rid = record_id(request.cluster_id, job.job_id, request.sequence)
         try:
             # Chain calls heartbeat while they wait: a busy ledger waits out its busy timeout (30 s) before it
             # answers ChainUnavailable, longer than the 10 s heartbeat timeout, and a silent wait had Temporal
             # cancel and retry the attempt while the first one's write still sat in a thread (chaos benchmark).
-            existing = await heartbeating(self.chain.get_usage_record(rid))
-            if existing is not None:
-                record = existing
-                cumulative = _add(request.previous_cumulative, record)
-            else:
-                record, cumulative = await heartbeating(self._new_record(request, rid))
-                result = await heartbeating(self.usage_batcher.submit(record))
-                if rid not in result.accepted and rid not in result.duplicates:
-                    raise ChainError(f"chain did not take usage record {rid}", transient=True)
-                self.audit.record(
-                    "usage_reported",
-                    job_id=job.job_id,
-                    cluster_id=request.cluster_id,
-                    details={
-                        "record_id": rid,
-                        "is_final": request.is_final,
-                        "state": request.job_state.value,
-                    },
-                )
+            record = await self._send_record(request, rid, attempt)
+            cumulative = _add(request.previous_cumulative, record)
             output = UsageOutput(record_id=rid, cumulative=cumulative, period_end=record.period_end)
             if request.is_final and request.report_accounting:
                 settlement = await heartbeating(
@@ -495,7 +488,8 @@ class JobActivities:
                             final_record_id=rid,
                             record_count=request.sequence,
                         )
-                    )
+                    ),
+                    attempt,
                 )
                 self.audit.record(
                     "accounting_reported",
@@ -514,7 +508,7 @@ class JobActivities:
                 )
             return output
         except HPCError as exc:
-            final_attempt = request.max_attempts and activity.info().attempt >= request.max_attempts
+            final_attempt = request.max_attempts and attempt.number >= request.max_attempts
             if not exc.transient or final_attempt:
                 event = "accounting_report_failed" if request.report_accounting else "usage_report_failed"
                 self.audit.record(
@@ -527,7 +521,48 @@ class JobActivities:
                 )
             raise to_application_error(exc) from None
 
-    async def _new_record(self, request: UsageInput, rid: str) -> tuple[UsageRecord, UsageMetrics]:
+    async def _send_record(self, request: UsageInput, rid: str, attempt: Attempt) -> UsageRecord:
+        """The record the chain holds for this report, sent now unless an earlier attempt's record is there.
+
+        A retry re-sends the record its predecessor heartbeated; without one it first asks the chain. A new
+        reading is signed and heartbeated before it leaves, so that no later attempt signs another reading
+        under the same id. On "duplicate" the stored record wins: it is what the chain bills.
+        """
+        record = attempt.progress.usage_record
+        if record is None or record.record_id != rid:
+            if not attempt.first:
+                stored = await heartbeating(self.chain.get_usage_record(rid), attempt)
+                if stored is not None:
+                    return stored
+            record = await heartbeating(self._new_record(request, rid), attempt)
+            attempt.record(usage_record=record)
+        result = await heartbeating(self.usage_batcher.submit(record), attempt)
+        if rid in result.duplicates:
+            stored = await heartbeating(self.chain.get_usage_record(rid), attempt)
+            if stored is None:
+                raise ChainError(
+                    f"the chain calls usage record {rid} a duplicate but has none", transient=True
+                )
+            if stored != record:
+                log.warning("usage record %s: the chain holds an earlier attempt's reading; carrying it", rid)
+            record = stored
+        elif rid not in result.accepted:
+            raise ChainError(f"chain did not take usage record {rid}", transient=True)
+        self.audit.record(
+            "usage_reported",
+            job_id=request.job.job_id,
+            cluster_id=request.cluster_id,
+            details={
+                "record_id": rid,
+                "is_final": request.is_final,
+                "state": request.job_state.value,
+                "duplicate": rid in result.duplicates,
+            },
+        )
+        return record
+
+    async def _new_record(self, request: UsageInput, rid: str) -> UsageRecord:
+        """A new reading of the job's cumulative usage, as a signed record of the difference to the last one."""
         adapter = self.adapter(request.cluster_id)
         try:
             accounting = await adapter.usage(request.scheduler_job_id)
@@ -562,9 +597,7 @@ class JobActivities:
             created_at=datetime.now(UTC),
             key_id=self.signer.key_id,
         )
-        signed = sign_record(record, self.signer)
-        # What the chain now holds adds up: previous records + this one.
-        return signed, sum_metrics([request.previous_cumulative, metrics])
+        return sign_record(record, self.signer)
 
 
 def _add(previous: UsageMetrics, record: UsageRecord) -> UsageMetrics:

@@ -17,22 +17,35 @@ import sys
 import time
 from collections import Counter
 from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import psutil
 import pytest
 from temporalio import activity
+from temporalio.exceptions import ApplicationError
 from temporalio.testing import ActivityEnvironment
 
 from activities.attempts import LOST_ATTEMPTS, heartbeating
 from activities.audit import read_events
+from activities.chain.client import UsageSubmitResult
+from activities.chain.local_ledger import LocalLedger
+from activities.schedulers.base import SubmitRequest
 from activities.schedulers.slurm.script import job_name
 from activities.schedulers.slurm.transports import LocalRunner, SSHRunner
 from tests import slurm_cluster as sc
 from tests.conftest import make_config
+from tests.memory_adapter import MemoryAdapter, Script
+from tests.pipeline_harness import TENANT, running_pipeline, setup_ledger
 from virtengine_hpc.config import Secrets
-from virtengine_hpc.messages import SubmitInput, SubmitOutput
+from virtengine_hpc.errors import ChainUnavailable
+from virtengine_hpc.messages import SubmitInput, SubmitOutput, UsageInput, WatchInput
+from virtengine_hpc.models import JobSpec, UsageMetrics, UsageRecord
+from virtengine_hpc.signing import Signer
+from virtengine_hpc.states import JobState
+from virtengine_hpc.usage import normalize_metrics, sum_metrics
 from workers.wiring import build_worker_deps
 
 
@@ -348,3 +361,257 @@ async def test_a_first_attempt_submits_at_once_and_a_retry_adopts_its_heartbeate
     finally:
         await deps.close()
         sc.cancel_test_jobs(env, "attempts-heartbeat")
+
+
+# ---- usage: the signed record is heartbeated, re-sent, and on "duplicate" the stored one is carried ---------------
+
+
+class LostAnswerChain:
+    """The LocalLedger behind a connection that loses the answer to a job's first usage record once (the ledger
+    stored it), and whose reads trail its writes by ``lag`` seconds, as a chain's query nodes see a transaction
+    only once it is in a block while a second submission of it is already refused as a duplicate."""
+
+    def __init__(self, ledger: LocalLedger, lag: float = 1.5) -> None:
+        self.ledger = ledger
+        self.lag = lag
+        self.lost: list[str] = []
+        self.duplicates: list[str] = []
+        self._written: dict[str, float] = {}
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.ledger, name)
+
+    async def submit_usage(self, records: list[UsageRecord]) -> UsageSubmitResult:
+        result = await self.ledger.submit_usage(records)
+        now = time.monotonic()
+        self._written.update((rid, now) for rid in result.accepted)
+        self.duplicates += result.duplicates
+        firsts = [r.record_id for r in records if r.sequence == 1 and r.record_id in result.accepted]
+        if firsts and not self.lost:
+            self.lost += firsts
+            raise ChainUnavailable("connection reset after the ledger stored the records; the answer is lost")
+        return result
+
+    async def get_usage_record(self, record_id: str) -> UsageRecord | None:
+        if time.monotonic() - self._written.get(record_id, -1e9) < self.lag:
+            return None  # not in a block yet
+        return await self.ledger.get_usage_record(record_id)
+
+
+async def test_a_usage_retry_after_a_lost_answer_carries_the_stored_record(
+    client: Any, tmp_path: Path, key_path: Path, task_queue: str
+) -> None:
+    """The chain took record 1 but the attempt never heard so; the retry does not see it yet and the chain
+    refuses a second record 1 as a duplicate. The retry must carry forward what the chain holds, not a new
+    reading of its own: then the records add up, to the last digit, to the scheduler's final accounting, and
+    the chain accepts the accounting and settles. (Before: the retry carried its own, later reading, the next
+    records were differences from it, the sum fell short by the gap and the ledger refused the accounting.)"""
+    adapter = MemoryAdapter(
+        default=Script(
+            [(0.0, JobState.QUEUED), (0.2, JobState.RUNNING), (6.0, JobState.COMPLETED)], exit_code=0
+        )
+    )
+    chains: list[LostAnswerChain] = []
+
+    def lossy(ledger: LocalLedger) -> LostAnswerChain:
+        chains.append(LostAnswerChain(ledger))
+        return chains[-1]
+
+    config = make_config(tmp_path)
+    async with running_pipeline(client, config, key_path, adapter, task_queue, chain=lossy) as pipe:
+        job_id = pipe.submit()
+        results = await pipe.run_until_done([job_id], timeout=90)
+        scheduler_job_id = results[job_id].scheduler_job_id
+        assert scheduler_job_id is not None
+        final = await adapter.usage(scheduler_job_id)
+    chain = chains[0]
+    assert chain.lost == [f"{config.hpc.cluster_id}/{job_id}/1"], "the first record's answer was lost"
+    assert chain.duplicates, "a retry sent record 1 again and the chain refused it as a duplicate"
+    assert results[job_id].state == JobState.COMPLETED, results[job_id].message
+    records = pipe.ledger.usage_records(job_id)
+    assert [r.sequence for r in records] == list(range(1, len(records) + 1)) and len(records) >= 3
+    assert sum_metrics([r.metrics for r in records]) == normalize_metrics(final.metrics)
+    settlement = pipe.ledger.settlement(job_id)
+    assert settlement is not None and settlement.charged + settlement.refunded == settlement.escrow
+
+
+class CountingUsage(MemoryAdapter):
+    """The in-memory scheduler, counting usage readings."""
+
+    readings: int = 0
+
+    async def usage(self, scheduler_job_id: str) -> Any:
+        self.readings += 1
+        return await super().usage(scheduler_job_id)
+
+
+async def activity_setup(
+    tmp_path: Path, key_path: Path, adapter: MemoryAdapter
+) -> tuple[Any, Any, JobSpec, str]:
+    """A ledger with one job, worker dependencies around it, and the job running on ``adapter``."""
+    config = make_config(tmp_path)
+    ledger = setup_ledger(config, Signer.from_file(key_path))
+    raw = {
+        "job_id": f"JOB-{time.monotonic_ns() % 10**9}",
+        "tenant": TENANT,
+        "provider": config.provider.address,
+        "offering_id": "offering-standard",
+        "script": "true\n",
+        "max_price": "10",
+    }
+    job_id = ledger.submit_job(raw)
+    deps = build_worker_deps(
+        config,
+        Secrets(provider_signing_key_path=key_path),
+        chain=ledger,
+        adapters={config.hpc.cluster_id: adapter},
+    )
+    job = JobSpec.model_validate(raw)
+    submitted = await adapter.submit(SubmitRequest(workflow_id=job_id, job=job, body="true\n"))
+    return ledger, deps, job, submitted.scheduler_job_id
+
+
+async def test_a_usage_retry_sends_the_record_its_predecessor_signed(tmp_path: Path, key_path: Path) -> None:
+    """Attempt 1 signed record 1, heartbeated it and was lost before the chain heard of it. Attempt 2 sends
+    that very record (same reading, same signature), not a new reading of the scheduler."""
+    adapter = CountingUsage()
+    ledger, deps, job, scheduler_job_id = await activity_setup(tmp_path, key_path, adapter)
+    request = UsageInput(
+        job=job,
+        cluster_id=deps.config.hpc.cluster_id,
+        scheduler_job_id=scheduler_job_id,
+        sequence=1,
+        period_start=datetime.now(UTC),
+        previous_cumulative=UsageMetrics(),
+        job_state=JobState.RUNNING,
+    )
+    try:
+        await asyncio.sleep(0.5)  # running, with some usage
+        beats: list[Any] = []
+        first = ActivityEnvironment()
+        first.on_heartbeat = lambda *details: beats.append(details)
+        signed: list[UsageRecord] = []
+
+        async def lost(records: list[UsageRecord]) -> UsageSubmitResult:
+            signed.extend(records)
+            raise ChainUnavailable("the connection dropped before the chain read the request")
+
+        deps.activities.usage_batcher.chain = SimpleNamespace(submit_usage=lost)
+        with pytest.raises(ApplicationError):
+            await first.run(deps.activities.report_usage, request)
+        deps.activities.usage_batcher.chain = ledger
+        heartbeated = [d[0].usage_record for d in beats if d and d[0].usage_record is not None]
+        assert heartbeated == signed, "the record was heartbeated before it was sent"
+
+        await asyncio.sleep(0.3)  # the job used more meanwhile: a new reading would differ
+        readings = adapter.readings
+        retry = ActivityEnvironment()
+        retry.info = dataclasses.replace(
+            retry.info, attempt=2, heartbeat_details=[beats[-1][0].model_dump(mode="json")]
+        )
+        out = await retry.run(deps.activities.report_usage, request)
+        assert adapter.readings == readings, "no new reading"
+        assert ledger.usage_records(job.job_id) == signed, "the chain holds the record attempt 1 signed"
+        assert out.cumulative == signed[0].metrics
+    finally:
+        await deps.close()
+
+
+async def test_a_usage_retry_that_meets_a_duplicate_carries_the_stored_record(
+    tmp_path: Path, key_path: Path
+) -> None:
+    """A retry without its predecessor's record (its heartbeat never arrived) signs a new reading; the chain
+    already holds record 1 (the predecessor's write landed late) and answers "duplicate": the stored record is
+    what the activity returns and carries forward, not the retry's own reading."""
+    adapter = MemoryAdapter()
+    ledger, deps, job, scheduler_job_id = await activity_setup(tmp_path, key_path, adapter)
+    cluster_id = deps.config.hpc.cluster_id
+    request = UsageInput(
+        job=job,
+        cluster_id=cluster_id,
+        scheduler_job_id=scheduler_job_id,
+        sequence=1,
+        period_start=datetime.now(UTC),
+        previous_cumulative=UsageMetrics(),
+        job_state=JobState.RUNNING,
+    )
+    try:
+        await asyncio.sleep(0.5)
+        first = await ActivityEnvironment().run(deps.activities.report_usage, request)
+        stored = ledger.usage_record(first.record_id)
+        assert stored is not None
+        await asyncio.sleep(0.3)
+        real_lookup = deps.activities.chain.get_usage_record
+        lookups: list[str] = []
+
+        async def not_yet_visible(record_id: str) -> UsageRecord | None:
+            lookups.append(record_id)
+            return None if len(lookups) == 1 else await real_lookup(record_id)
+
+        deps.activities.chain = SimpleNamespace(get_usage_record=not_yet_visible)
+        retry = ActivityEnvironment()
+        retry.info = dataclasses.replace(retry.info, attempt=2)
+        out = await retry.run(deps.activities.report_usage, request)
+        assert lookups == [first.record_id, first.record_id], "looked up, sent, refused, read back"
+        assert out.cumulative == stored.metrics == first.cumulative, "the stored record is carried forward"
+        assert ledger.usage_records(job.job_id) == [stored]
+        reported = [
+            e for e in read_events(deps.config.hpc.audit.log_path) if e["event_type"] == "usage_reported"
+        ]
+        assert [e["details"]["duplicate"] for e in reported] == [False, True]
+    finally:
+        await deps.close()
+
+
+# ---- watch: a vanished job's grace period survives retries ---------------------------------------------------
+
+
+async def test_a_retried_watch_resumes_the_vanished_jobs_grace_from_its_heartbeat(
+    tmp_path: Path, key_path: Path
+) -> None:
+    """The scheduler stopped finding the job during attempt 1, which heartbeated since when; attempt 1 was then
+    lost. Attempt 2 goes on from that moment: once the grace period has run out since the job first went missing
+    it reports the job vanished. (Before: every retry restarted the grace period from its own start, so a watch
+    retried often enough never gave up on a vanished job.)"""
+    adapter = MemoryAdapter()
+    config = make_config(tmp_path)
+    deps = build_worker_deps(
+        config,
+        Secrets(provider_signing_key_path=key_path),
+        chain=setup_ledger(config, Signer.from_file(key_path)),
+        adapters={config.hpc.cluster_id: adapter},
+    )
+    request = WatchInput(
+        job_id="JOB-vanishing",
+        cluster_id=config.hpc.cluster_id,
+        scheduler_job_id="4711",  # the scheduler knows no such job
+        last_state=JobState.RUNNING,
+        return_by=datetime.now(UTC) + timedelta(minutes=5),
+        poll_interval_seconds=0.2,
+        vanished_grace_seconds=2.0,
+    )
+    try:
+        beats: list[Any] = []
+        first = ActivityEnvironment()
+        first.on_heartbeat = lambda *details: beats.append(details[0] if details else None)
+        task = asyncio.create_task(first.run(deps.activities.watch_job, request))
+        while not [b for b in beats if b is not None and b.missing_since is not None]:
+            await asyncio.sleep(0.05)
+        first.cancel()  # the attempt is lost before the grace period ran out
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        progress = [b for b in beats if b is not None][-1]
+        went_missing = progress.missing_since
+        assert progress.found is False and progress.last_state == JobState.RUNNING
+        while datetime.now(UTC) - went_missing < timedelta(seconds=request.vanished_grace_seconds):
+            await asyncio.sleep(0.1)
+
+        retry = ActivityEnvironment()
+        retry.info = dataclasses.replace(
+            retry.info, attempt=2, heartbeat_details=[progress.model_dump(mode="json")]
+        )
+        out = await retry.run(deps.activities.watch_job, request)
+        assert out.changed and not out.status.found
+        assert out.missing_since == went_missing, "the grace period ran from when the job first went missing"
+    finally:
+        await deps.close()
