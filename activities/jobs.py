@@ -44,7 +44,7 @@ from virtengine_hpc.messages import (
     WatchInput,
     WatchOutput,
 )
-from virtengine_hpc.models import JobSpec, UsageMetrics, UsageRecord
+from virtengine_hpc.models import Cluster, JobSpec, PricedQueue, UsageMetrics, UsageRecord
 from virtengine_hpc.signing import Signer
 from virtengine_hpc.states import JobState
 from virtengine_hpc.usage import diff_metrics, normalize_metrics, record_id, sign_record, sum_metrics
@@ -130,14 +130,11 @@ class JobActivities:
                     accepted=False, code="routing_rejected", message=routed.message, violations=violations
                 )
             cluster = await self.chain.get_cluster(routed.cluster_id)
-            partition = job.partition
-            if partition is None:
-                # A job that names no partition runs in the one its offering is priced for, never in whichever
-                # partition happens to be the cluster's first: it is billed at that offering's rates. (After a
-                # fallback to another cluster the offering's partition may not exist there: that cluster's default.)
-                queue = await self.chain.get_queue(job.offering_id)
-                if queue is not None and queue.cluster_id == routed.cluster_id:
-                    partition = queue.partition
+            # Checked where the job will run, after any fallback: the offering prices this very cluster.
+            queue = await self._offering(job, cluster, routed.cluster_id)
+            # A job that names no partition runs in the one its offering is priced for, never in whichever
+            # partition happens to be the cluster's first: it is billed at that offering's rates.
+            partition = job.partition or queue.partition
             if cluster is not None and cluster.partitions:
                 part = cluster.partition(partition)
                 if part is None:
@@ -168,6 +165,27 @@ class JobActivities:
             body=resolved.text,
             exclusive=resolved.exclusive,
         )
+
+    async def _offering(self, job: JobSpec, cluster: Cluster | None, routed_to: str) -> PricedQueue:
+        """The job's offering, if it is one of this provider's and prices the cluster the job was routed to: a
+        tenant must not run on the GPU cluster at a CPU cluster's prices, or at another provider's."""
+        queue = await self.chain.get_queue(job.offering_id)
+        if queue is None:
+            raise ValidationError(f"offering {job.offering_id} has no priced queue on chain")
+        on = cluster if queue.cluster_id == routed_to else await self.chain.get_cluster(queue.cluster_id)
+        me = self.config.provider.address
+        owner = on.provider if on is not None else "an unknown provider"
+        if owner != me or job.provider != me:
+            raise ValidationError(
+                f"offering {job.offering_id} belongs to {owner} (cluster {queue.cluster_id}), not to this "
+                f"provider {me}"
+            )
+        if queue.cluster_id != routed_to:
+            raise ValidationError(
+                f"offering {job.offering_id} is priced for cluster {queue.cluster_id}, not for {routed_to} where "
+                "the job was routed"
+            )
+        return queue
 
     # ---- submission ---------------------------------------------------------------------------------------------
 

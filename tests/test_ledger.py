@@ -566,6 +566,43 @@ async def test_accounting_without_a_priced_queue_is_refused(ledger: LocalLedger,
         await ledger.report_accounting(accounting(job_id, [final]))
 
 
+async def test_the_price_is_fixed_at_submission_or_when_the_provider_takes_the_job(
+    ledger: LocalLedger, signer: Signer, clock: Clock
+) -> None:
+    agreed = ledger.submit_job(spec(max_price="100"))
+    early = ledger.submit_job(spec(max_price="100", offering_id="later"))  # its offering is not there yet
+    ledger.add_queue(PricedQueue(offering_id="later", cluster_id="c1", partition="debug", pricing=PRICING))
+    clock.advance(60)
+    await ledger.mark_taken(early)
+    dearer = PRICING.model_copy(update={"node_hour": PRICING.node_hour * 10})
+    for offering in (OFFERING, "later"):
+        ledger.add_queue(
+            PricedQueue(offering_id=offering, cluster_id="c1", partition="debug", pricing=dearer)
+        )
+    for job_id in (agreed, early):
+        await run_job(ledger, job_id)
+        final = record(signer, job_id, 1, final=True, wall_clock_seconds=3600, node_hours=1)
+        await ledger.submit_usage([final])
+        settlement = await ledger.report_accounting(accounting(job_id, [final]))
+        assert settlement.charged == PRICING.node_hour, "the price of the day it was accepted, not today's"
+    fixed_agreed, fixed_early = ledger.job_price(agreed), ledger.job_price(early)
+    assert fixed_agreed is not None and fixed_early is not None
+    assert (fixed_agreed[2], fixed_early[2]) == ("submitted", "taken")
+    assert fixed_early[1] - fixed_agreed[1] == timedelta(seconds=60)
+
+
+async def test_accounting_from_a_cluster_the_offering_does_not_price_is_refused(
+    ledger: LocalLedger, signer: Signer
+) -> None:
+    job_id = ledger.submit_job(spec())  # the offering prices c1
+    await run_job(ledger, job_id)
+    final = record(signer, job_id, 1, final=True, cluster_id="c2", wall_clock_seconds=60, node_hours="0.1")
+    await ledger.submit_usage([final])
+    with pytest.raises(ChainError, match="prices cluster c1, the accounting comes from c2"):
+        await ledger.report_accounting(accounting(job_id, [final]))
+    assert ledger.settlement(job_id) is None
+
+
 # ---- refunds of jobs that never ran ------------------------------------------------------------------------
 
 

@@ -57,6 +57,7 @@ async def two_workers(client: Client, base: Config, key_path: Path) -> AsyncIter
     """Worker 1 serves A (and runs A's poller), worker 2 serves B: the same provider config, each host's own
     ``serve`` flags."""
     ledger = provider_ledger(base, key_path)
+    add_offering_b(ledger)
     adapters = {A: MemoryAdapter(), B: MemoryAdapter()}
     secrets = Secrets(provider_signing_key_path=key_path)
     workers = []
@@ -79,6 +80,21 @@ async def two_workers(client: Client, base: Config, key_path: Path) -> AsyncIter
             await process.stop()
 
 
+OFFERING_B = "offering-b"
+
+
+def add_offering_b(ledger: LocalLedger) -> None:
+    """B's own offering (the pipeline's ``offering-standard`` prices A): a job runs on B only if it bought this."""
+    ledger.add_queue(
+        PricedQueue(
+            offering_id=OFFERING_B,
+            cluster_id=B,
+            partition="debug",
+            pricing=Pricing(node_hour=Decimal("72"), minimum_charge=Decimal("0.01")),
+        )
+    )
+
+
 def cluster_config_serving(base: Config, cluster_id: str) -> Config:
     """``base`` as the config of the host that serves only ``cluster_id``."""
     clusters = [c.model_copy(update={"serve": c.cluster_id == cluster_id}) for c in base.hpc.clusters]
@@ -89,7 +105,8 @@ async def test_a_job_decided_for_the_other_workers_cluster_runs_on_its_task_queu
     two_workers: Provider,
 ) -> None:
     p = two_workers
-    job_id = submit(p.ledger, p.config, decide=B)  # offered on A (A's poller takes it), decided for B
+    # Bought on B, asked for A (so A's poller takes it), decided for B by the chain.
+    job_id = submit(p.ledger, p.config, decide=B, offering_id=OFFERING_B, cluster_id=A)
     result = await wait_result(p.client, job_id)
     assert result.state == JobState.COMPLETED
     assert (p.adapters[A].submits, p.adapters[B].submits) == (0, 1), "B's scheduler ran it, A's never saw it"
@@ -111,7 +128,8 @@ async def test_permissive_fallback_moves_a_job_from_an_unavailable_cluster_to_th
 ) -> None:
     p = two_workers
     p.ledger.set_cluster_state(A, "offline")
-    job_id = submit(p.ledger, p.config)  # no decision yet: permissive asks the chain, which picks B
+    # Asked for A, bought on B; no decision yet: permissive asks the chain, which picks B as a fallback.
+    job_id = submit(p.ledger, p.config, offering_id=OFFERING_B, cluster_id=A)
     result = await wait_result(p.client, job_id)
     assert result.state == JobState.COMPLETED
     assert (p.adapters[A].submits, p.adapters[B].submits) == (0, 1)
@@ -145,6 +163,7 @@ async def test_a_job_for_a_cluster_nobody_listed_stays_strict(
     """Strict routing never follows a decision to a cluster outside the provider's config."""
     base = cluster_config(tmp_path, [A, B])
     ledger = provider_ledger(base, key_path)
+    add_offering_b(ledger)
     adapters = {A: MemoryAdapter(), B: MemoryAdapter()}
     process = WorkerProcess(
         base,
@@ -160,29 +179,28 @@ async def test_a_job_for_a_cluster_nobody_listed_stays_strict(
         job_id = submit(ledger, base, decide="cluster-elsewhere")
         result = await wait_result(client, job_id)
         assert result.state == JobState.FAILED and "routing_rejected" in result.message
-        ok = submit(ledger, base, decide=B)
+        ok = submit(ledger, base, decide=B, offering_id=OFFERING_B)
         assert (await wait_result(client, ok)).state == JobState.COMPLETED
         assert (adapters[A].submits, adapters[B].submits) == (0, 1)
     finally:
         await process.stop()
 
 
-async def test_a_fallback_runs_in_the_other_clusters_default_partition_when_the_offerings_is_not_there(
-    two_workers: Provider,
-) -> None:
+async def test_a_fallback_to_a_cluster_the_offering_does_not_price_is_refused(two_workers: Provider) -> None:
+    """Bought on A at A's prices; A goes offline and permissive routing falls back to B. Running there at A's
+    prices is what a tenant who picks the cheaper cluster's offering would want: refused, escrow refunded."""
     p = two_workers
-    # An offering priced on A for a partition only A has; A goes offline and permissive routing falls back to B.
-    p.ledger.add_queue(
-        PricedQueue(
-            offering_id="offering-a-only",
-            cluster_id=A,
-            partition="a-only",
-            pricing=Pricing(node_hour=Decimal("36"), minimum_charge=Decimal("0.01")),
-            max_duration_seconds=86400,
-        )
-    )
     p.ledger.set_cluster_state(A, "offline")
-    job_id = submit(p.ledger, p.config, offering_id="offering-a-only")
+    job_id = submit(p.ledger, p.config)
     result = await wait_result(p.client, job_id)
-    assert result.state == JobState.COMPLETED, result.message
-    assert p.adapters[B].partitions[job_id] == "debug"
+    assert result.state == JobState.FAILED
+    assert result.message == (
+        f"validation_failed: offering offering-standard is priced for cluster {A}, not for {B} where the job "
+        "was routed"
+    )
+    assert (p.adapters[A].submits, p.adapters[B].submits) == (0, 0)
+    assert [e["cluster_id"] for e in p.audit("routing_fallback_used", job_id)] == [B]
+    [refused] = p.audit("job_validation_failed", job_id)
+    assert refused["error_msg"] == result.message.removeprefix("validation_failed: ")
+    settlement = p.ledger.settlement(job_id)
+    assert settlement is not None and settlement.charged == 0 and settlement.refunded == settlement.escrow

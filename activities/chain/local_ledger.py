@@ -174,6 +174,12 @@ CREATE TABLE IF NOT EXISTS usage_records (
     received_at TEXT NOT NULL,
     UNIQUE (job_id, sequence)
 );
+CREATE TABLE IF NOT EXISTS job_prices (
+    job_id TEXT PRIMARY KEY,
+    fixed_at TEXT NOT NULL,
+    fixed_when TEXT NOT NULL,
+    data TEXT NOT NULL
+);
 CREATE TABLE IF NOT EXISTS settlements (
     job_id TEXT PRIMARY KEY,
     kind TEXT NOT NULL,
@@ -678,6 +684,36 @@ class LocalLedger:
             rows = db.execute("SELECT data FROM queues ORDER BY offering_id").fetchall()
         return [PricedQueue.model_validate_json(r["data"]) for r in rows]
 
+    def _fix_price(
+        self, db: sqlite3.Connection, job_id: str, offering_id: str, when: str, now: datetime
+    ) -> None:
+        """Keep the offering as it stands now as the job's price, unless the job has one already: what the tenant
+        accepted (and escrowed for) is what settles it, whatever the provider changes in the offering later."""
+        queue = self._queue(db, offering_id)
+        if queue is not None:
+            db.execute(
+                "INSERT OR IGNORE INTO job_prices (job_id, fixed_at, fixed_when, data) VALUES (?, ?, ?, ?)",
+                (job_id, _iso(now), when, queue.model_dump_json()),
+            )
+
+    def _price(self, db: sqlite3.Connection, row: sqlite3.Row) -> PricedQueue | None:
+        """The job's fixed price; a job from before prices were fixed (none stored) pays the offering's current
+        one."""
+        found = db.execute("SELECT data FROM job_prices WHERE job_id = ?", (row["job_id"],)).fetchone()
+        if found is not None:
+            return PricedQueue.model_validate_json(found["data"])
+        return self._queue(db, row["offering_id"])
+
+    def job_price(self, job_id: str) -> tuple[PricedQueue, datetime, str] | None:
+        """The offering as it was fixed for ``job_id``, when, and at which step (``submitted`` or ``taken``)."""
+        with self._tx(write=False) as db:
+            row = db.execute(
+                "SELECT fixed_at, fixed_when, data FROM job_prices WHERE job_id = ?", (job_id,)
+            ).fetchone()
+        if row is None:
+            return None
+        return PricedQueue.model_validate_json(row["data"]), _time(row["fixed_at"]), row["fixed_when"]
+
     def register_provider_key(self, provider: str, public_key_b64: str) -> str:
         """Register a provider's usage-signing public key (raw Ed25519, base64); returns its key id.
 
@@ -755,6 +791,7 @@ class LocalLedger:
                 target = queue.cluster_id if queue else None
             if amount > 0:
                 self._move(db, "escrow", tenant, -amount, job_id, now)
+            self._fix_price(db, job_id, offering_id, "submitted", now)
             db.execute(
                 "INSERT INTO jobs (job_id, tenant, provider, offering_id, target_cluster_id, raw_spec, "
                 "state, escrow, block_height, created_at, updated_at) "
@@ -901,8 +938,9 @@ class LocalLedger:
 
     def _mark_taken(self, job_id: str) -> None:
         with self._tx(write=True) as db:
-            self._job_row(db, job_id)
+            row = self._job_row(db, job_id)
             db.execute("UPDATE jobs SET taken = 1 WHERE job_id = ?", (job_id,))
+            self._fix_price(db, job_id, row["offering_id"], "taken", self._now())
 
     async def mark_taken(self, job_id: str) -> None:
         """Hide a pending job from ``pending_jobs`` (idempotent). Call it only after the job's workflow
@@ -1082,6 +1120,7 @@ class LocalLedger:
             row = self._job_row(db, report.job_id)
             old = JobState(row["state"])
             db.execute("UPDATE jobs SET taken = 1 WHERE job_id = ?", (report.job_id,))
+            self._fix_price(db, report.job_id, row["offering_id"], "taken", now)
             if report.state == old:
                 return
             path = transition_path(old, report.state)
@@ -1350,9 +1389,14 @@ class LocalLedger:
                 )
             ]
             self._check_accounting(report, records)
-            queue = self._queue(db, row["offering_id"])
+            queue = self._price(db, row)
             if queue is None:
                 raise ChainError(f"job {report.job_id}: offering {row['offering_id']} has no priced queue")
+            if queue.cluster_id != report.cluster_id:
+                raise ChainError(
+                    f"job {report.job_id}: offering {queue.offering_id} prices cluster {queue.cluster_id}, "
+                    f"the accounting comes from {report.cluster_id}"
+                )
             charged, _ = settle_amounts(report.totals, queue, Decimal(row["escrow"]))
             found = self._settlement(db, report.job_id)
             if found is not None:
@@ -1627,7 +1671,7 @@ class LocalLedger:
                     "SELECT data FROM usage_records WHERE job_id = ? ORDER BY sequence", (job_id,)
                 )
             ]
-            queue = self._queue(db, row["offering_id"])
+            queue = self._price(db, row)
         if not records or queue is None:
             return ChargeBreakdown(job=charge)
         totals = sum_metrics([r.metrics for r in records])
