@@ -55,7 +55,7 @@ from virtengine_hpc.node.heartbeat import (
     RegistrationBody,
     sign_document,
 )
-from virtengine_hpc.node.lifecycle import NodeBeat, NodeSettings, NodeStatus, NodeWorkflowInput
+from virtengine_hpc.node.lifecycle import NodeBeat, NodeSettings, NodeStatus, NodeWorkflowInput, workflow_id
 from virtengine_hpc.signing import Signer, public_key_b64
 from workers.node_api import NodeAPI
 from workflows.node import NodeWorkflow
@@ -276,7 +276,7 @@ async def api_throughput(env: WorkflowEnvironment, args: argparse.Namespace, bas
                 refused = {c: codes.count(c) for c in set(codes) if c != 200}
 
                 last = nodes[-1]
-                handle = env.client.get_workflow_handle(f"node-{CLUSTER}-{last.node_id}")
+                handle = env.client.get_workflow_handle(workflow_id(CLUSTER, last.node_id))
                 caught_up_at = None
                 for _ in range(0 if args.no_worker else 600):
                     status: NodeStatus = await handle.query("status", result_type=NodeStatus)
@@ -285,7 +285,7 @@ async def api_throughput(env: WorkflowEnvironment, args: argparse.Namespace, bas
                         break
                     await asyncio.sleep(0.2)
                 for node in nodes:
-                    await env.client.get_workflow_handle(f"node-{CLUSTER}-{node.node_id}").terminate()
+                    await env.client.get_workflow_handle(workflow_id(CLUSTER, node.node_id)).terminate()
     finally:
         api.terminate()
         api.wait(10)
@@ -321,7 +321,7 @@ async def history_24h(hours: float) -> dict[str, Any]:
         async with Worker(
             env.client, task_queue="nodes", workflows=[NodeWorkflow], activities=activities.all()
         ):
-            wf_id = f"node-{CLUSTER}-{node.node_id}"
+            wf_id = workflow_id(CLUSTER, node.node_id)
             handle = await env.client.start_workflow(
                 NodeWorkflow.run,
                 NodeWorkflowInput(cluster_id=CLUSTER, node_id=node.node_id, settings=settings),

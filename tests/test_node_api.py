@@ -7,6 +7,7 @@ reach the node's workflow.
 from __future__ import annotations
 
 import json
+import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
@@ -16,7 +17,9 @@ import httpx
 import pytest
 from fastapi import FastAPI
 from temporalio.client import Client
+from temporalio.service import RPCError
 
+from activities.chain.local_ledger import LocalLedger
 from tests.node_support import (
     PROVIDER,
     NodeHarness,
@@ -27,11 +30,20 @@ from tests.node_support import (
     wait_for,
 )
 from virtengine_hpc.config import NodesConfig
+from virtengine_hpc.errors import ChainError
+from virtengine_hpc.messages import JOB_WORKFLOW_NAME
 from virtengine_hpc.node.agent import NodeAgent
 from virtengine_hpc.node.config import load_agent_config
-from virtengine_hpc.node.lifecycle import NodeState, NodeStatus, workflow_id
+from virtengine_hpc.node.lifecycle import (
+    NodeState,
+    NodeStatus,
+    NodeWorkflowInput,
+    legacy_workflow_id,
+    workflow_id,
+)
 from virtengine_hpc.node.sequence import SequenceStore
-from workers.node_api import NodeAPI, TemporalForwarder, create_app, peer_key
+from workers.node_api import NodeAPI, TemporalForwarder, create_app, peer_key, running_node_workflow
+from workflows.node import NodeWorkflow
 
 HB = "/api/v1/hpc/nodes/{}/heartbeat"
 REGISTER = "/api/v1/hpc/nodes/register"
@@ -375,3 +387,71 @@ async def test_a_forged_sequence_answer_does_not_silence_the_agent(
         return await harness.state(node) is NodeState.ACTIVE
 
     await wait_for(active, 10, "the node's workflow to become active")
+
+
+# ---- workflow ids: nodes and jobs in separate namespaces ----------------------------------------------------
+
+
+async def test_a_job_named_like_a_node_cannot_take_the_nodes_lifecycle(harness: APIHarness) -> None:
+    """A job's workflow id is its chain job id, which the tenant may choose: one named the way node workflows
+    used to be (``node-<cluster>-<node>``) runs before the node registers. The node's lifecycle still starts, the
+    job's workflow gets none of the node's signals, and no chain job id can ever equal a node's workflow id."""
+    node = allowed_node(harness, "n7")
+    squatter_id = legacy_workflow_id(node.cluster_id, node.node_id)
+    squatter = await harness.client.start_workflow(
+        JOB_WORKFLOW_NAME, {"job": "a tenant's"}, id=squatter_id, task_queue=f"jobs-{uuid.uuid4().hex[:8]}"
+    )
+    try:
+        assert (await harness.http.post(REGISTER, json=node.registration())).status_code == 200
+        assert (await harness.http.post(HB.format(node.node_id), json=node.heartbeat(1))).status_code == 200
+
+        async def active() -> bool:
+            return await harness.state(node) is NodeState.ACTIVE
+
+        await wait_for(active, 10, "the node's own workflow to become active")
+        assert await running_node_workflow(harness.client, node.cluster_id, node.node_id) == workflow_id(
+            node.cluster_id, node.node_id
+        )
+        history = await squatter.fetch_history()
+        assert not [e for e in history.events if e.HasField("workflow_execution_signaled_event_attributes")]
+    finally:
+        await squatter.terminate()
+    with pytest.raises(ChainError, match="must match"):
+        LocalLedger(harness.nodes.ledger.path).submit_job(
+            {
+                "job_id": workflow_id(node.cluster_id, node.node_id),
+                "tenant": "t",
+                "provider": "p",
+                "offering_id": "o",
+            }
+        )
+
+
+async def test_a_lifecycle_started_under_the_old_id_stays_the_nodes(harness: APIHarness) -> None:
+    """A node whose workflow an earlier version started (old id) keeps it: the API signals that one rather than
+    start a second lifecycle beside it, and the CLI's lookup finds it."""
+    node = allowed_node(harness, "n8")
+    old_id = legacy_workflow_id(node.cluster_id, node.node_id)
+    await harness.client.start_workflow(
+        NodeWorkflow.run,
+        NodeWorkflowInput(
+            cluster_id=node.cluster_id,
+            node_id=node.node_id,
+            settings=quick_settings(stale_after=60, offline_after=120),
+        ),
+        id=old_id,
+        task_queue=harness.nodes.task_queue,
+    )
+    assert (await harness.http.post(REGISTER, json=node.registration())).status_code == 200
+    assert (await harness.http.post(HB.format(node.node_id), json=node.heartbeat(1))).status_code == 200
+
+    async def active() -> bool:
+        status: NodeStatus = await harness.client.get_workflow_handle(old_id).query(
+            "status", result_type=NodeStatus
+        )
+        return status.state is NodeState.ACTIVE
+
+    await wait_for(active, 10, "the old lifecycle to take the heartbeat")
+    assert await running_node_workflow(harness.client, node.cluster_id, node.node_id) == old_id
+    with pytest.raises(RPCError):
+        await harness.client.get_workflow_handle(workflow_id(node.cluster_id, node.node_id)).describe()

@@ -43,7 +43,7 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, TypeAdapter
 from pydantic import ValidationError as PydanticValidationError
-from temporalio.client import Client
+from temporalio.client import Client, WorkflowExecutionStatus
 from temporalio.service import RPCError, RPCStatusCode
 
 from activities.audit import AuditLog
@@ -63,10 +63,12 @@ from virtengine_hpc.node.heartbeat import (
     signature_valid,
 )
 from virtengine_hpc.node.lifecycle import (
+    NODE_WORKFLOW_NAME,
     NodeBeat,
     NodeRegistered,
     NodeSettings,
     NodeWorkflowInput,
+    legacy_workflow_id,
     workflow_id,
 )
 from virtengine_hpc.signing import public_key_from_b64
@@ -104,12 +106,33 @@ def node_settings(nodes: NodesConfig) -> NodeSettings:
     )
 
 
+async def running_node_workflow(client: Client, cluster_id: str, node_id: str) -> str | None:
+    """The id of the node's running ``NodeWorkflow``: under ``workflow_id``, else under the id workflows had
+    before (``legacy_workflow_id``, kept by one started then); ``None`` when neither runs. A workflow of another
+    type under the old id (a chain job named like it) is not the node's."""
+    for wf_id in (workflow_id(cluster_id, node_id), legacy_workflow_id(cluster_id, node_id)):
+        try:
+            description = await client.get_workflow_handle(wf_id).describe()
+        except RPCError as exc:
+            if exc.status != RPCStatusCode.NOT_FOUND:
+                raise
+            continue
+        if (
+            description.status == WorkflowExecutionStatus.RUNNING
+            and description.workflow_type == NODE_WORKFLOW_NAME
+        ):
+            return wf_id
+    return None
+
+
 class TemporalForwarder:
-    """Delivers to ``node-<cluster>-<node>``: signal-with-start the first time, then plain signals.
+    """Delivers to the node's ``NodeWorkflow``: plain signals to one this process has seen running, else
+    signal-with-start under ``workflow_id`` unless one runs already (``running_node_workflow``).
 
     A plain signal costs the server about 2.5x less than signal-with-start (docs/benchmarks.md); it is tried
-    first for a workflow this process has seen running, and a ``NOT_FOUND`` (the workflow ended or never
-    started) falls back to signal-with-start, which starts it.
+    first for a workflow this process has seen running, and a ``NOT_FOUND`` (the workflow ended) falls back to
+    the lookup. A workflow started by an earlier version under the old id keeps receiving the node's signals:
+    starting a second lifecycle beside it would have two workflows drain and resume the same node.
     """
 
     def __init__(
@@ -118,20 +141,23 @@ class TemporalForwarder:
         self.client = client
         self.task_queue_for = task_queue_for
         self.settings = settings
-        self._running: set[str] = set()
+        self._running: dict[tuple[str, str], str] = {}
 
     async def _signal(self, cluster_id: str, node_id: str, name: str, arg: BaseModel) -> None:
         from workflows.node import NodeWorkflow
 
-        wf_id = workflow_id(cluster_id, node_id)
-        if wf_id in self._running:
+        key = (cluster_id, node_id)
+        wf_id = self._running.get(key) or await running_node_workflow(self.client, cluster_id, node_id)
+        if wf_id is not None:
             try:
                 await self.client.get_workflow_handle(wf_id).signal(name, arg)
+                self._running[key] = wf_id
                 return
             except RPCError as exc:
                 if exc.status != RPCStatusCode.NOT_FOUND:
                     raise
-                self._running.discard(wf_id)
+                self._running.pop(key, None)
+        wf_id = workflow_id(cluster_id, node_id)
         await self.client.start_workflow(
             NodeWorkflow.run,
             NodeWorkflowInput(cluster_id=cluster_id, node_id=node_id, settings=self.settings),
@@ -140,7 +166,7 @@ class TemporalForwarder:
             start_signal=name,
             start_signal_args=[arg],
         )
-        self._running.add(wf_id)
+        self._running[key] = wf_id
 
     async def heartbeat(self, cluster_id: str, node_id: str, beat: NodeBeat) -> None:
         await self._signal(cluster_id, node_id, "heartbeat", beat)

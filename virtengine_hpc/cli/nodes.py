@@ -151,11 +151,13 @@ def _dash(value: object) -> str:
 async def _workflow_status(config: Config, cluster: str, node: str) -> NodeStatus | None:
     from temporalio.service import RPCError
 
+    from workers.node_api import running_node_workflow
     from workers.wiring import connect
 
     client = await connect(config)
     try:
-        return await client.get_workflow_handle(workflow_id(cluster, node)).query(
+        wf_id = await running_node_workflow(client, cluster, node) or workflow_id(cluster, node)
+        return await client.get_workflow_handle(wf_id).query(
             "status", result_type=NodeStatus, rpc_timeout=timedelta(seconds=5)
         )
     except RPCError:
@@ -195,10 +197,17 @@ async def _command(
     from temporalio.client import WorkflowUpdateFailedError
     from temporalio.service import RPCError, RPCStatusCode
 
+    from workers.node_api import running_node_workflow
     from workers.wiring import connect
 
     client = await connect(config)
-    handle = client.get_workflow_handle(workflow_id(cluster, node))
+    try:
+        wf_id = await running_node_workflow(client, cluster, node)
+    except RPCError as exc:
+        raise HPCError(f"cannot reach Temporal: {exc}", transient=True) from None
+    if wf_id is None:
+        raise NoLifecycle(f"node {node} of cluster {cluster} has no running lifecycle")
+    handle = client.get_workflow_handle(wf_id)
     try:
         status: NodeStatus = await handle.execute_update("command", command, result_type=NodeStatus)
     except WorkflowUpdateFailedError as exc:

@@ -93,6 +93,19 @@ def liveness_state(
 
 
 def workflow_id(cluster_id: str, node_id: str) -> str:
+    """``node-<node>@<cluster>``: the id of a node's ``NodeWorkflow``.
+
+    A job's workflow id is its chain job id, which never holds an ``@`` (ids are letters, digits and ``._:-``),
+    and neither do node or cluster ids: no tenant can pick a job id that takes a node's workflow id (and so
+    stop its lifecycle from starting), and no two nodes share one.
+    """
+    return f"node-{node_id}@{cluster_id}"
+
+
+def legacy_workflow_id(cluster_id: str, node_id: str) -> str:
+    """``node-<cluster>-<node>``, the id node workflows had before: a chain job id could take it. A node whose
+    workflow was started under it keeps it while that workflow runs (it continues as new under the same id);
+    ``running_node_workflow`` finds either."""
     return f"node-{cluster_id}-{node_id}"
 
 
