@@ -309,6 +309,8 @@ class JobActivities:
         out = RecoverOutput(scheduler_job_id=found)
         if records:
             last = records[-1]
+            lost = found is None
+            found = found or last.scheduler_job_id
             # A final record already sent is sent again (adopted by id) with the accounting that may be missing.
             kept = records[:-1] if last.is_final else records
             out = RecoverOutput(
@@ -317,6 +319,7 @@ class JobActivities:
                 cumulative=sum_metrics([r.metrics for r in kept]),
                 last_period_end=kept[-1].period_end if kept else records[0].period_start,
                 first_period_start=records[0].period_start,
+                scheduler_lost=lost,
             )
         self.audit.record(
             "state_recovered",
@@ -382,7 +385,7 @@ class JobActivities:
                         return WatchOutput(status=status, changed=True, missing_since=missing_since)
                 else:
                     missing_since, last_seen = None, status.state
-                    if status.state != request.last_state:
+                    if status.state != request.last_state or _restarted(request, status):
                         return WatchOutput(status=status, changed=True)
                 attempt.record(
                     last_state=last_seen, found=status.found, missing_since=missing_since, error=None
@@ -620,6 +623,16 @@ class JobActivities:
 
 def _add(previous: UsageMetrics, record: UsageRecord) -> UsageMetrics:
     return sum_metrics([previous, record.metrics])
+
+
+def _restarted(request: WatchInput, status: NativeStatus) -> bool:
+    """The job runs again from a new start (requeued and restarted between two polls): a change too."""
+    return (
+        status.state == JobState.RUNNING
+        and request.last_start_time is not None
+        and status.start_time is not None
+        and status.start_time != request.last_start_time
+    )
 
 
 def _check_bounds(job: JobSpec, max_nodes: int, max_runtime_seconds: int) -> None:

@@ -11,7 +11,7 @@ import asyncio
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from decimal import Decimal
 
 from activities.schedulers.base import Accounting, NativeStatus, SchedulerAdapter, SubmitRequest, SubmitResult
@@ -33,6 +33,20 @@ class _Job:
     submitted: float
     script: Script
     cancelled_at: float | None = None
+    submitted_wall: datetime = field(default_factory=lambda: datetime.now(UTC))
+
+    def run_start(self, elapsed: float) -> datetime | None:
+        """When the current run started, as a scheduler reports it: a requeued job's start moves, a resumed one's
+        does not."""
+        start: float | None = None
+        previous = JobState.QUEUED
+        for at, step in self.script.steps:
+            if elapsed < at:
+                break
+            if step == JobState.RUNNING and previous != JobState.SUSPENDED and previous != JobState.RUNNING:
+                start = at
+            previous = step
+        return None if start is None else self.submitted_wall + timedelta(seconds=start)
 
 
 @dataclass
@@ -113,6 +127,7 @@ class MemoryAdapter(SchedulerAdapter):
                 native_state=state.value.upper(),
                 reason=job.script.reason,
                 exit_code=job.script.exit_code if state.final else None,
+                start_time=job.run_start(time.monotonic() - job.submitted),
             )
         return out
 

@@ -23,8 +23,9 @@ from temporalio.common import WorkflowIDConflictPolicy, WorkflowIDReusePolicy
 
 from activities.chain.client import AccountingReport, Settlement, StatusReport
 from activities.chain.local_ledger import LocalLedger
+from activities.schedulers.base import SubmitRequest, SubmitResult
 from tests.conftest import make_config
-from tests.memory_adapter import MemoryAdapter, Script
+from tests.memory_adapter import MemoryAdapter, Script, _Job
 from tests.pipeline_harness import TENANT, Pipeline, running_pipeline
 from virtengine_hpc.errors import ChainError, SchedulerError, SchedulerUnavailable
 from virtengine_hpc.messages import (
@@ -259,6 +260,25 @@ async def test_a_failing_cancel_backs_off_instead_of_looping(faulty: Pipeline) -
     assert result.state == CANCELLED
 
 
+async def test_a_deadline_cancel_that_fails_backs_off_too(
+    client: Client, tmp_path: Path, key_path: Path, task_queue: str
+) -> None:
+    config = new_config(tmp_path, job_service={"max_queue_wait": "1s"}, retry={"max_backoff": "3s"})
+    scheduler = StubbornScheduler(default=Script([(0, Q)]))
+    scheduler.cancel_error = SchedulerUnavailable("Unable to contact slurm controller")
+    async with running_pipeline(client, config, key_path, scheduler, task_queue) as p:
+        job_id = p.submit()
+        await wait_for(p, job_id, lambda v: v.state == Q)
+        await asyncio.sleep(12.0)
+        attempts = len(scheduler.cancel_attempts)
+        # Rounds of three attempts (max_retries 2), then pauses of 3 s and 6 s: three rounds at most in 12 s
+        # (without the backoff a round follows the last at once: five or more).
+        assert 3 <= attempts <= 9, f"{attempts} cancel attempts in 12 s"
+        scheduler.cancel_error = None
+        results = await p.run_until_done([job_id], timeout=60)
+        assert results[job_id].state == TIMEOUT and "max_queue_wait" in results[job_id].message
+
+
 async def test_a_cancel_the_scheduler_refuses_for_good_parks_the_job_until_an_operator_retries(
     faulty: Pipeline,
 ) -> None:
@@ -319,6 +339,46 @@ async def test_accounting_that_cannot_be_sent_parks_the_job_visibly_and_a_retry_
     assert [r.is_final for r in faulty.ledger.usage_records(job_id)].count(True) == 1
 
 
+async def test_cancel_of_a_job_parked_while_it_was_being_closed_still_ends_it_everywhere(
+    faulty: Pipeline,
+) -> None:
+    sched(faulty).default = Script([(0, Q), (0.2, R), (600, C)])
+    sched(faulty).cancel_error = SchedulerUnavailable("Unable to contact slurm controller")
+    chain(faulty).refuse_status[R] = ChainError("chain refuses running", transient=False)
+    job_id = faulty.submit()
+    view = await wait_for(faulty, job_id, lambda v: v.parked is not None, timeout=40)
+    assert "report_transition failed" in (view.parked or "")
+
+    sched(faulty).cancel_error = None
+    chain(faulty).refuse_status.clear()
+    await faulty.handle(job_id).cancel()  # the operator gives up on it: Cancel ends it everywhere
+
+    assert await closed(faulty, job_id) == WorkflowExecutionStatus.COMPLETED
+    job = faulty.ledger.job(job_id)
+    assert job is not None and job.state.final
+    assert live_jobs_of(sched(faulty), job_id) == []
+    assert (await status(faulty, job_id)).parked is None
+
+
+async def test_cancel_of_a_job_parked_on_its_terminal_report_sends_no_second_final_record(
+    faulty: Pipeline,
+) -> None:
+    sched(faulty).default = Script([(0, Q), (0.2, R), (1.5, C)], exit_code=0)
+    chain(faulty).refuse_status[C] = ChainError("chain refuses completed", transient=False)
+    job_id = faulty.submit()
+    view = await wait_for(faulty, job_id, lambda v: v.parked is not None, timeout=40)
+    assert "terminal status" in (view.parked or "")
+    assert faulty.ledger.settlement(job_id) is not None, "settled; only the terminal report is missing"
+
+    chain(faulty).refuse_status.clear()  # the chain is fixed; the operator presses Cancel instead of retry
+    await faulty.handle(job_id).cancel()
+
+    assert await closed(faulty, job_id) == WorkflowExecutionStatus.COMPLETED
+    job = faulty.ledger.job(job_id)
+    assert job is not None and job.state == C, "it ends as it really ended: completed"
+    assert [r.is_final for r in faulty.ledger.usage_records(job_id)].count(True) == 1
+
+
 async def test_retry_of_a_job_that_is_not_parked_is_refused(faulty: Pipeline) -> None:
     sched(faulty).default = Script([(0, Q), (0.2, R), (600, C)])
     job_id = faulty.submit()
@@ -341,15 +401,23 @@ async def test_walltime_excludes_suspended_and_requeued_time(
         # walltime 60 s: each job is on the cluster far longer than 61 s, but runs less than that.
         suspended = p.submit(walltime_seconds=60)
         requeued = p.submit(walltime_seconds=60)
+        unseen = p.submit(
+            walltime_seconds=60
+        )  # requeued and running again within 10 ms: no poll sees it queued
         overrun = p.submit(walltime_seconds=60)
         scheduler.scripts = {
             suspended: Script([(0, Q), (0.2, R), (20, S), (75, R), (95, C)], exit_code=0),
             requeued: Script([(0, Q), (0.2, R), (40, Q), (42, R), (95, C)], exit_code=0),
+            unseen: Script([(0, Q), (0.2, R), (40, Q), (40.01, R), (95, C)], exit_code=0),
             overrun: Script([(0, Q), (0.2, R), (600, C)], exit_code=0),
         }
-        results = await p.run_until_done([suspended, requeued, overrun], timeout=180)
+        results = await p.run_until_done([suspended, requeued, unseen, overrun], timeout=180)
         assert results[suspended].state == C, results[suspended].message
         assert results[requeued].state == C, results[requeued].message
+        assert results[unseen].state == C, results[unseen].message
+        assert p.states_of(unseen).count(R) == 2, (
+            "the chain sees the requeue (a new start) even between polls"
+        )
         assert results[overrun].state == TIMEOUT and "walltime" in results[overrun].message
         assert S in p.states_of(suspended)
 
@@ -462,3 +530,79 @@ async def test_recovery_run_finds_the_scheduler_job_when_the_closed_run_had_no_i
     assert result.state == CANCELLED
     assert live_jobs_of(sched(faulty), job_id) == []
     assert faulty.ledger.job(job_id).state == CANCELLED  # type: ignore[union-attr]
+
+
+@dataclass
+class ThreadedSubmitScheduler(StubbornScheduler):
+    """Submits in a worker thread, as blocking transports do: cancelling the activity cannot stop the call."""
+
+    thread_delay: float = 3.0
+
+    async def submit(self, request: SubmitRequest, *, on_submitted: Any = None) -> SubmitResult:
+        def blocking() -> SubmitResult:
+            time.sleep(self.thread_delay)  # sbatch talking to a busy slurmctld
+            job_id = str(1000 + len(self.jobs))
+            self.jobs[job_id] = _Job(request.workflow_id, time.monotonic(), self.default)
+            return SubmitResult(scheduler_job_id=job_id)
+
+        self.submits += 1
+        return await asyncio.get_running_loop().run_in_executor(None, blocking)
+
+
+async def test_temporal_cancel_during_a_submit_that_cannot_be_interrupted_still_stops_the_job(
+    client: Client, tmp_path: Path, key_path: Path, task_queue: str
+) -> None:
+    scheduler = ThreadedSubmitScheduler(default=Script([(0, Q), (600, R)]))
+    async with running_pipeline(client, new_config(tmp_path), key_path, scheduler, task_queue) as p:
+        job_id = p.submit()
+        await p.wait_started(job_id)
+        await asyncio.sleep(1.0)
+        await p.handle(job_id).cancel()
+        assert await closed(p, job_id) == WorkflowExecutionStatus.COMPLETED
+        await asyncio.sleep(3.0)
+        assert [job.workflow_id for job in scheduler.jobs.values()] == [job_id], "the thread did submit"
+        assert live_jobs_of(scheduler, job_id) == [], "the job it submitted is found and cancelled"
+        assert p.ledger.job(job_id).state == CANCELLED  # type: ignore[union-attr]
+
+
+@dataclass
+class SlowFindScheduler(StubbornScheduler):
+    async def find(self, workflow_id: str) -> str | None:
+        await asyncio.sleep(3.0)
+        return await super().find(workflow_id)
+
+
+async def test_temporal_cancel_during_a_recovery_run_still_closes_the_job(
+    client: Client, tmp_path: Path, key_path: Path, task_queue: str
+) -> None:
+    scheduler = SlowFindScheduler(default=Script([(0, Q), (0.2, R), (600, C)]))
+    async with running_pipeline(client, new_config(tmp_path), key_path, scheduler, task_queue) as p:
+        job_id = p.submit()
+        await wait_for(p, job_id, lambda v: v.state == R)
+        await p.handle(job_id).terminate("operator pressed Terminate")
+        recovery = asyncio.create_task(start_recovery(p, job_id, "workflow TERMINATED"))
+        await asyncio.sleep(1.5)  # recover_job is looking the scheduler job up
+        await p.handle(job_id).cancel()
+        result = await recovery
+        assert result.state == CANCELLED
+        assert live_jobs_of(scheduler, job_id) == []
+        assert p.ledger.job(job_id).state == CANCELLED  # type: ignore[union-attr]
+
+
+async def test_recovery_of_a_job_the_scheduler_lost_closes_it_with_its_recorded_usage(
+    faulty: Pipeline,
+) -> None:
+    sched(faulty).default = Script([(0, Q), (0.2, R), (600, C)])
+    job_id = faulty.submit()
+    await wait_for(faulty, job_id, lambda v: v.state == R and v.usage_records >= 1, timeout=40)
+    await faulty.handle(job_id).terminate("operator pressed Terminate")
+    sched(faulty).jobs.clear()  # the scheduler has no trace of it any more (lost with its accounting)
+
+    result = await start_recovery(faulty, job_id, "workflow TERMINATED", closed_status="TERMINATED")
+
+    assert result.state == FAILED and "vanished" in result.message
+    records = faulty.ledger.usage_records(job_id)
+    assert [r.sequence for r in records] == list(range(1, len(records) + 1))
+    assert [r.is_final for r in records].count(True) == 1 and records[-1].is_final
+    settlement = faulty.ledger.settlement(job_id)
+    assert settlement is not None and settlement.charged > 0, "it ran: the tenant pays what was recorded"

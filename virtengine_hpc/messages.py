@@ -100,6 +100,12 @@ class Carried(Model):
     run_seconds: float = Field(
         0.0, description="Seconds the job ran before the current stretch (suspended time is not counted)."
     )
+    start_time: datetime | None = Field(
+        None, description="When the scheduler says the current run started (a new one means a requeue)."
+    )
+    final_state: JobState | None = Field(None, description="The final state decided when finishing began.")
+    final_message: str = ""
+    final_sent: bool = Field(False, description="The final usage record and accounting are on chain.")
 
 
 class Recovery(Model):
@@ -249,6 +255,11 @@ class WatchInput(Model):
     missing_since: datetime | None = Field(
         None, description="Since when the scheduler has not found the job."
     )
+    last_start_time: datetime | None = Field(
+        None,
+        description="When the scheduler said the current run started: a different start while the state is the "
+        "same (a requeue between two polls) is a change too.",
+    )
     report: UsageInput | None = Field(
         None,
         description="Send this usage record when return_by arrives and the job still runs: one activity per "
@@ -324,6 +335,10 @@ class RecoverOutput(Model):
     cumulative: UsageMetrics = Field(default_factory=UsageMetrics)
     last_period_end: datetime | None = None
     first_period_start: datetime | None = None
+    scheduler_lost: bool = Field(
+        False,
+        description="The scheduler knows no job of this workflow, but usage records name one: it ran and is gone.",
+    )
 
 
 class UsageOutput(Model):

@@ -12,6 +12,7 @@ by a few events per report period (invariant 3); the workflow continues as new w
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections.abc import Awaitable, Callable
 from datetime import datetime, timedelta
 
@@ -73,6 +74,8 @@ workflow; cancel retries back off; a job whose final accounting or terminal repo
 operator; walltime counts only running time; a queue wait has no limit unless ``max_queue_wait`` is set; final
 accounting is sent even with usage reporting off. Decided once per run, so runs that began before it replay."""
 CANCEL_BACKOFF_CAP = timedelta(minutes=5)
+_DONE = object()
+"""What ``_guarded`` returns for a step that ran to its end."""
 _NON_RETRYABLE = [
     "ValidationError",
     "ConfigError",
@@ -105,6 +108,16 @@ class HPCJobWorkflow:
         self.charged: str | None = None
         self.refunded: str | None = None
         self.v2 = False  # PATCH_NO_JOB_LEFT_BEHIND, decided when the run starts
+        self.recovered = False  # a recovery run has found where the job stands
+        if inp.recovery is not None and inp.carried is None:
+            rec = inp.recovery
+            self.c = Carried(
+                state=rec.chain_state,
+                cluster_id=rec.cluster_id or inp.cluster_id,
+                scheduler_job_id=rec.scheduler_job_id,
+                cancel_requested=True,
+                cancel_reason=f"closed by the reconciler: {rec.reason}"[:512],
+            )
 
     # ---- handlers -----------------------------------------------------------------------------------------------
 
@@ -191,29 +204,44 @@ class HPCJobWorkflow:
     async def _drive_to_the_end(self) -> None:
         """Drive the job to a final state on chain, whatever happens on the way.
 
-        A Temporal cancel (the Web UI's Cancel, ``temporal workflow cancel``) arrives here as ``CancelledError``:
-        it becomes a provider cancel (the scheduler job is cancelled, usage settled, the chain told), and the
-        workflow then completes. A step that fails for good (a non-retryable error) closes the job as failed the
-        same way; a second failure parks it for an operator. Only ``continue_as_new`` leaves early.
+        A Temporal cancel (the Web UI's Cancel, ``temporal workflow cancel``) arrives as ``CancelledError`` (or as
+        the cancelled activity the workflow was waiting on): it becomes a provider cancel (the scheduler job is
+        cancelled, usage settled, the chain told), and the workflow then completes. A step that fails for good (a
+        non-retryable error) closes the job as failed the same way; a second failure parks it for an operator.
+        Every step, the closing of a failed one included, runs under the same guard, so a cancel can arrive at
+        any moment. Only ``continue_as_new`` leaves early.
         """
-        if self.inp.recovery is not None and self.inp.carried is None:
-            await self._begin_recovery(self.inp.recovery)
         while True:
-            try:
-                await self._drive()
+            outcome = await self._guarded(self._recover_then_drive)
+            if outcome is _DONE:
                 return
-            except asyncio.CancelledError:
-                if self.c.state.final:
-                    return
-                self._on_workflow_cancel()
-            except ActivityError as err:
-                if _is_cancel(err):  # the workflow cancel reached the activity it was waiting on
-                    self._on_workflow_cancel()
-                else:
-                    await self._close_after_error(err)
+            if isinstance(outcome, ActivityError):
+                await self._guarded(functools.partial(self._close_after_error, outcome))
+
+    async def _guarded(self, step: Callable[[], Awaitable[None]]) -> object:
+        """Run a step: ``_DONE`` when it ran to its end, the ``ActivityError`` that failed it for good, or None
+        when a workflow cancel interrupted it (then recorded as a provider cancel)."""
+        try:
+            await step()
+            return _DONE
+        except asyncio.CancelledError:
+            self._on_workflow_cancel()
+        except ActivityError as err:
+            if not _is_cancel(err):
+                return err
+            self._on_workflow_cancel()  # the workflow cancel reached the activity it was waiting on
+        return None
+
+    async def _recover_then_drive(self) -> None:
+        if self.inp.recovery is not None and self.inp.carried is None and not self.recovered:
+            await self._begin_recovery(self.inp.recovery)
+            self.recovered = True
+        await self._drive()
 
     def _on_workflow_cancel(self) -> None:
         """A Temporal cancel is a provider cancel: the scheduler job is cancelled and the job finishes as usual."""
+        if self.c.state.final:
+            return
         self._request_cancel(CancelRequest(reason="cancelled by the operator (Temporal workflow cancel)"))
         if not self.c.cancel_sent:
             # A new cancel goes out even if one is waiting for its backoff: the operator asked now.
@@ -240,16 +268,14 @@ class HPCJobWorkflow:
     async def _begin_recovery(self, rec: Recovery) -> None:
         """This run only closes a job an earlier run left open (the reconciler started it): find its scheduler
         job and its usage so far, then cancel and finish it through the normal path."""
-        cluster = rec.cluster_id or self.c.cluster_id
-        self.c = Carried(state=rec.chain_state, cluster_id=cluster)
-        if cluster != self.inp.cluster_id:
+        if self.c.cluster_id != self.inp.cluster_id:
             self._follow_cluster()
         found: RecoverOutput = await workflow.execute_activity(
             "recover_job",
             RecoverInput(
                 job_id=self.job.job_id,
                 workflow_id=workflow.info().workflow_id,
-                cluster_id=cluster,
+                cluster_id=self.c.cluster_id,
                 scheduler_job_id=rec.scheduler_job_id,
             ),
             task_queue=self.c.task_queue,
@@ -263,53 +289,75 @@ class HPCJobWorkflow:
             rec.chain_state in (JobState.RUNNING, JobState.SUSPENDED) or found.first_period_start is not None
         )
         started = (found.first_period_start or now) if ran else None
-        why = f"closed by the reconciler: {rec.reason}"[:512]
-        self.c = self.c.model_copy(
-            update={
-                "scheduler_job_id": found.scheduler_job_id,
-                "submitted_at": now if found.scheduler_job_id else None,
-                "started_at": started,
-                "last_report_at": found.last_period_end or started,
-                "next_sequence": found.next_sequence,
-                "last_cumulative": found.cumulative,
-                "cancel_requested": True,
-                "cancel_reason": why,
-                "running_since": now if rec.chain_state == JobState.RUNNING else None,
-            }
-        )
+        update: dict[str, object] = {
+            "scheduler_job_id": found.scheduler_job_id,
+            "submitted_at": now if found.scheduler_job_id else None,
+            "started_at": started,
+            "last_report_at": found.last_period_end or started,
+            "next_sequence": found.next_sequence,
+            "last_cumulative": found.cumulative,
+            "running_since": now if rec.chain_state == JobState.RUNNING else None,
+        }
+        if found.scheduler_lost:
+            # The scheduler has no trace of the job the records name: watch it vanish (after the grace) and close
+            # it with the usage already recorded, instead of cancelling what cannot be found.
+            update |= {"cancel_requested": False, "cancel_reason": ""}
+        self.c = self.c.model_copy(update=update)
         if found.scheduler_job_id is not None:
             workflow.upsert_search_attributes([SA_SCHEDULER_JOB.value_set(found.scheduler_job_id)])
 
     async def _park(self, why: str) -> None:
-        """Wait for an operator: the job cannot make progress on its own (alerted through ``VeJobState``)."""
+        """Wait for an operator: the job cannot make progress on its own (alerted through ``VeJobState``).
+
+        Ends when the operator retries (``retry_parked``) or cancels the workflow; either way the job leaves the
+        parked state, and a cancel propagates to the caller.
+        """
         self.c = self.c.model_copy(update={"parked": why})
         workflow.upsert_search_attributes([SA_STATE.value_set(PARKED)])
-        await workflow.execute_activity(
-            "park_job",
-            ParkInput(
-                job_id=self.job.job_id,
-                cluster_id=self.c.cluster_id,
-                state=self.c.state,
-                reason=why,
-                scheduler_job_id=self.c.scheduler_job_id,
-            ),
-            start_to_close_timeout=timedelta(seconds=60),
-            retry_policy=self._retry(unlimited=True),
-        )
-        await workflow.wait_condition(lambda: self.c.parked is None)
-        workflow.upsert_search_attributes([SA_STATE.value_set(self.c.state.value)])
+        try:
+            try:
+                await workflow.execute_activity(
+                    "park_job",
+                    ParkInput(
+                        job_id=self.job.job_id,
+                        cluster_id=self.c.cluster_id,
+                        state=self.c.state,
+                        reason=why,
+                        scheduler_job_id=self.c.scheduler_job_id,
+                    ),
+                    start_to_close_timeout=timedelta(seconds=60),
+                    retry_policy=self._retry(unlimited=True),
+                )
+            except ActivityError as err:
+                if _is_cancel(err):
+                    raise asyncio.CancelledError() from None
+                raise
+            await workflow.wait_condition(lambda: self.c.parked is None)
+        finally:
+            self.c = self.c.model_copy(update={"parked": None})
+            workflow.upsert_search_attributes([SA_STATE.value_set(self.c.state.value)])
 
     async def _until_done(self, what: str, step: Callable[[], Awaitable[None]]) -> None:
-        """Run a step of the finish path until it succeeds, parking the job after each failure for good."""
+        """Run a step of the finish path until it succeeds, parking the job after each failure for good.
+
+        A workflow cancel meanwhile asks for what this path is doing already: the step is simply tried again.
+        """
         while True:
             try:
                 await step()
                 return
+            except asyncio.CancelledError:
+                self._on_workflow_cancel()
+                continue
             except ActivityError as err:
-                if _is_cancel(err):  # a workflow cancel while finishing: finishing is what it asks for
+                if _is_cancel(err):
                     self._on_workflow_cancel()
                     continue
-                await self._park(f"{what} could not be sent: {_cause(err)}"[:1000])
+                why = f"{what} could not be sent: {_cause(err)}"[:1000]
+            try:
+                await self._park(why)
+            except asyncio.CancelledError:
+                self._on_workflow_cancel()
 
     async def _route_and_submit(self) -> None:
         if self.c.cancel_requested:
@@ -383,6 +431,11 @@ class HPCJobWorkflow:
         """
         if self.v2 and self.c.submit_started:
             found = await self._find_submitted()
+            if found is None:
+                # A scheduler call that cannot be interrupted (a command already sent) may still land: look again
+                # once it has had the time to.
+                await workflow.sleep(timedelta(seconds=max(10.0, 2 * self.settings.poll_interval_seconds)))
+                found = await self._find_submitted()
             self.c = self.c.model_copy(update={"submit_started": False})
             if found is not None:
                 self._adopt(found)
@@ -446,7 +499,9 @@ class HPCJobWorkflow:
         deadline = self._deadline()
         if deadline is not None and now >= deadline:
             await self._enforce_deadline()
-            return
+            if not self.v2 or self.c.state.final or self.c.cancel_sent or self.c.cancel_retry_at is None:
+                return
+            deadline = None  # its cancel waits out a backoff: watch the job until then
         plan = self._watch_plan(now, deadline)
         if plan is None:
             await self._report_usage(final=False)
@@ -462,6 +517,7 @@ class HPCJobWorkflow:
             vanished_grace_seconds=self.settings.vanished_grace_seconds,
             missing_since=self.c.missing_since,
             report=report,
+            last_start_time=self.c.start_time if self.v2 else None,
         )
         poll = self.settings.poll_interval_seconds
         handle = workflow.start_activity(
@@ -542,6 +598,11 @@ class HPCJobWorkflow:
             target, message = self.c.forced_final, self.c.forced_message
         elif target == JobState.CANCELLED and self.c.cancel_requested:
             message = self.c.cancel_reason or message
+        if self.v2 and self._restarted(status):
+            # Requeued and running again between two polls: the chain sees the requeue, the walltime starts over.
+            await self._transition(JobState.QUEUED, LifecycleEvent.QUEUED, "requeued by the scheduler")
+            await self._transition(JobState.RUNNING, LifecycleEvent.STARTED, message, began=status.start_time)
+            return
         path = transition_path(self.c.state, target)
         if self.c.started_at is None and (status.start_time is not None or JobState.RUNNING in path):
             # The job ran (perhaps between two polls): its usage starts when the scheduler started it.
@@ -555,6 +616,15 @@ class HPCJobWorkflow:
             began = status.start_time if self.c.state != JobState.SUSPENDED else None
             await self._transition(step, lifecycle_event(self.c.state, step), message, began=began)
 
+    def _restarted(self, status: NativeStatus) -> bool:
+        return (
+            self.c.state == JobState.RUNNING
+            and status.state == JobState.RUNNING
+            and self.c.start_time is not None
+            and status.start_time is not None
+            and status.start_time != self.c.start_time
+        )
+
     async def _finish(self, final: JobState, message: str, *, partial: bool = False) -> None:
         """Close the job: final usage record and accounting (if it ran), then the terminal status.
 
@@ -567,7 +637,13 @@ class HPCJobWorkflow:
                 await self._report_usage(final=True, final_state=final, partial=partial)
             await self._transition(final, lifecycle_event(self.c.state, final), message)
             return
-        if ran:  # with usage reporting off too: the job settles on its final accounting
+        if self.c.final_state is not None:
+            # Finishing was interrupted (parked, then cancelled) and has begun again: the job ends as decided the
+            # first time, and a final record already sent is not sent twice.
+            final, message = self.c.final_state, self.c.final_message
+        else:
+            self.c = self.c.model_copy(update={"final_state": final, "final_message": message})
+        if ran and not self.c.final_sent:  # with usage reporting off too: the job settles on its accounting
 
             async def final_usage() -> None:
                 await self._report_usage(final=True, final_state=final, partial=partial)
@@ -608,18 +684,24 @@ class HPCJobWorkflow:
         """Keep the time the job has run, for its walltime: suspended time does not count, a requeue (the
         scheduler starts the job over with a fresh time limit) starts the count again."""
         now = workflow.now()
-        run_seconds, since = self.c.run_seconds, self.c.running_since
+        run_seconds, since, start_time = self.c.run_seconds, self.c.running_since, self.c.start_time
         if old == JobState.RUNNING and since is not None:
             run_seconds += max(0.0, (now - since).total_seconds())
             since = None
         if new == JobState.RUNNING:
             since = began if began is not None and began <= now else now
+            start_time = began or start_time
         queued_since = self.c.queued_since
         if new == JobState.QUEUED:
             queued_since = now
             run_seconds = 0.0
         self.c = self.c.model_copy(
-            update={"run_seconds": run_seconds, "running_since": since, "queued_since": queued_since}
+            update={
+                "run_seconds": run_seconds,
+                "running_since": since,
+                "queued_since": queued_since,
+                "start_time": start_time,
+            }
         )
 
     async def _report_usage(
@@ -644,6 +726,8 @@ class HPCJobWorkflow:
             return
         self._record_sent(out)
         if final:
+            if self.v2:
+                self.c = self.c.model_copy(update={"final_sent": True})
             self.final_record_id = out.record_id
             self.charged, self.refunded = out.charged, out.refunded
 
@@ -729,15 +813,49 @@ class HPCJobWorkflow:
         retry_at = self.c.cancel_retry_at
         return retry_at is None or workflow.now() >= retry_at
 
+    async def _enforce_deadline_v2(self) -> None:
+        """Past a deadline: cancel the job (with the cancel's backoff, never faster), then give the scheduler a
+        few polls to say it ended before closing it ourselves as timed out."""
+        grace = self.c.deadline_grace_until
+        if grace is not None and workflow.now() >= grace:
+            final = self.c.forced_final or JobState.CANCELLED
+            await self._finish(final, self.c.forced_message or self.c.cancel_reason, partial=True)
+            return
+        if not self.c.cancel_requested:  # an operator's or tenant's cancel already under way stays theirs
+            why = self._deadline_reason()
+            self.c = self.c.model_copy(
+                update={
+                    "forced_final": JobState.TIMEOUT,
+                    "forced_message": why,
+                    "cancel_requested": True,
+                    "cancel_reason": why,
+                }
+            )
+        if self._cancel_due():
+            await self._send_cancel(self.c.cancel_reason)
+        if self.c.cancel_sent and grace is None:
+            # The scheduler will report the job cancelled; give it a few polls, then close it as timed out.
+            grace = workflow.now() + timedelta(seconds=4 * self.settings.poll_interval_seconds + 30)
+            self.c = self.c.model_copy(update={"deadline_grace_until": grace})
+
+    def _deadline_reason(self) -> str:
+        if self.c.state == JobState.RUNNING:
+            return f"ran past its walltime of {self.job.walltime_seconds} s; cancelled by the provider"
+        limit = self.settings.max_queue_wait_seconds or 0
+        if self.c.started_at is not None:
+            return f"requeued and not started again within max_queue_wait ({limit:.0f} s)"
+        return f"not started within max_queue_wait ({limit:.0f} s)"
+
     async def _enforce_deadline(self) -> None:
+        if self.v2:
+            await self._enforce_deadline_v2()
+            return
         grace = self.c.deadline_grace_until
         if grace is not None and workflow.now() >= grace:
             # Cancelled at the deadline, and the scheduler still has not said it ended: close it ourselves.
             await self._finish(JobState.TIMEOUT, self.c.forced_message, partial=True)
             return
-        if self.v2 and self.c.state != JobState.RUNNING:
-            why = f"not started within max_queue_wait ({self.settings.max_queue_wait_seconds or 0:.0f} s)"
-        elif self.c.started_at is None:
+        if self.c.started_at is None:
             why = (
                 f"not started within job_timeout_default ({self.settings.job_timeout_default_seconds:.0f} s)"
             )
