@@ -13,6 +13,7 @@ import logging
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
+from decimal import Decimal
 from typing import TypeVar
 
 from temporalio import activity
@@ -596,7 +597,7 @@ class JobActivities:
         if request.is_final and not accounting.final and not request.accept_partial:
             # Accounting lags behind the queue (sacct): try again shortly rather than sign a partial reading.
             raise SchedulerError("final accounting not available yet", transient=True)
-        cumulative = normalize_metrics(accounting.metrics)
+        cumulative = _provider_storage(normalize_metrics(accounting.metrics), request.job)
         period_end = datetime.now(UTC)
         if accounting.end_time is not None and request.is_final:
             period_end = max(accounting.end_time, request.period_start)
@@ -619,6 +620,13 @@ class JobActivities:
             key_id=self.signer.key_id,
         )
         return sign_record(record, self.signer)
+
+
+def _provider_storage(metrics: UsageMetrics, job: JobSpec) -> UsageMetrics:
+    """Storage billed is what the provider accepted, the spec's ``storage_gb`` for as long as the job ran, never a
+    scheduler's reading: Slurm keeps it in the job's comment, which the job's owner can ``scontrol update``."""
+    hours = Decimal(job.resources.storage_gb) * metrics.wall_clock_seconds / 3600
+    return normalize_metrics(UsageMetrics.model_validate({**metrics.model_dump(), "storage_gb_hours": hours}))
 
 
 def _add(previous: UsageMetrics, record: UsageRecord) -> UsageMetrics:

@@ -9,6 +9,7 @@ one final, adding up to exactly what Slurm's accounting says), the settlement, a
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -143,3 +144,28 @@ async def test_jobs_complete_fail_and_cancel_through_the_pipeline(
         assert await sc.wait_in_accounting(env, job_id) == [results[job_id].scheduler_job_id], (
             "exactly one Slurm job per chain job"
         )
+
+
+async def test_a_comment_the_job_owner_edits_does_not_change_the_storage_charged(
+    pipe: Pipeline, env: dict[str, Any]
+) -> None:
+    """The job's comment is the owner's to edit (``scontrol update JobId=N Comment=...``): the storage billed
+    comes from the job the provider accepted, 50 GB for as long as the job ran, never from what the comment says
+    afterwards."""
+    job_id = submit(pipe, "#!/bin/bash\nsleep 8\n", resources={"memory_mb_per_node": 256, "storage_gb": 50})
+    await wait_chain_state(pipe, job_id, R)
+    slurm_id = pipe.ledger.job(job_id).scheduler_job_id  # type: ignore[union-attr]
+    assert slurm_id
+    comment = sc.slurm_command(env, ["squeue", "-h", "-j", slurm_id, "-o", "%k"]).strip()
+    forged = re.sub(r"storage_gb=\d+", "storage_gb=0", comment) if "storage_gb=" in comment else comment
+    if forged == comment:
+        forged = f"{comment};storage_gb=0"
+    sc.slurm_command(env, ["scontrol", "update", f"JobId={slurm_id}", f"Comment={forged}"])
+    assert sc.slurm_command(env, ["squeue", "-h", "-j", slurm_id, "-o", "%k"]).strip() == forged
+
+    [result] = (await pipe.run_until_done([job_id], timeout=120)).values()
+    assert result.state == C, result.message
+    total = sum_metrics([r.metrics for r in pipe.ledger.usage_records(job_id)])
+    assert total.wall_clock_seconds >= 8
+    expected = Decimal(50) * total.wall_clock_seconds / 3600
+    assert abs(total.storage_gb_hours - expected) < Decimal("0.00001"), (total.storage_gb_hours, expected)
