@@ -67,6 +67,10 @@ class MemoryAdapter(SchedulerAdapter):
     submit_delay: float = 0.0
     partitions: dict[str, str | None] = field(default_factory=dict)  # workflow id -> partition it was sent to
     exclusive: dict[str, bool] = field(default_factory=dict)  # workflow id -> asked for whole nodes
+    # Seconds on the scheduler's clock, and the wall-clock time it corresponds to (a time-skipping test moves
+    # both with the test server's clock).
+    clock: Callable[[], float] = time.monotonic
+    wall: Callable[[], datetime] = field(default=lambda: datetime.now(UTC))
 
     async def submit(
         self, request: SubmitRequest, *, on_submitted: Callable[[str], None] | None = None
@@ -83,7 +87,7 @@ class MemoryAdapter(SchedulerAdapter):
             raise SchedulerUnavailable("Socket timed out on send/recv operation")
         job_id = str(1000 + len(self.jobs))
         script = self.scripts.get(request.workflow_id, self.default)
-        self.jobs[job_id] = _Job(request.workflow_id, time.monotonic(), script)
+        self.jobs[job_id] = _Job(request.workflow_id, self.clock(), script)
         self.partitions[request.workflow_id] = request.partition
         self.exclusive[request.workflow_id] = request.exclusive
         if request.workflow_id in self.crash_after_submit:
@@ -97,8 +101,7 @@ class MemoryAdapter(SchedulerAdapter):
         return next((jid for jid, job in self.jobs.items() if job.workflow_id == workflow_id), None)
 
     def _state(self, job: _Job) -> tuple[JobState, float | None]:
-        now = time.monotonic()
-        elapsed = now - job.submitted
+        elapsed = self.clock() - job.submitted
         state = JobState.QUEUED
         started: float | None = None
         for at, step in job.script.steps:
@@ -135,7 +138,7 @@ class MemoryAdapter(SchedulerAdapter):
         self.cancels.append(scheduler_job_id)
         job = self.jobs.get(scheduler_job_id)
         if job is not None and job.cancelled_at is None:
-            job.cancelled_at = time.monotonic()
+            job.cancelled_at = self.clock()
 
     async def usage(self, scheduler_job_id: str) -> Accounting:
         job = self.jobs.get(scheduler_job_id)
@@ -144,7 +147,8 @@ class MemoryAdapter(SchedulerAdapter):
         state, started = self._state(job)
         if started is None:
             return Accounting(scheduler_job_id=scheduler_job_id, final=state.final)
-        end = time.monotonic()
+        now = self.clock()
+        end = now
         if state.final:
             ends = [job.submitted + at for at, s in job.script.steps if s.final]
             if job.cancelled_at is not None:
@@ -160,5 +164,5 @@ class MemoryAdapter(SchedulerAdapter):
                 memory_gb_seconds=seconds / 2,
                 node_hours=seconds / 3600,
             ),
-            end_time=datetime.now(UTC) if state.final else None,
+            end_time=self.wall() - timedelta(seconds=now - end) if state.final else None,
         )

@@ -12,6 +12,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from datetime import datetime
 from decimal import Decimal
 from pathlib import Path
 from typing import Any
@@ -128,8 +129,17 @@ class Pipeline:
         return [t.to_state for t in self.ledger.history(job_id) if t.to_state != JobState.PENDING]
 
 
-def setup_ledger(config: Config, signer: Signer, *, nodes: int = 4) -> LocalLedger:
-    ledger = LocalLedger(config.ledger_path, seconds_per_block=config.chain.seconds_per_block)
+def setup_ledger(
+    config: Config,
+    signer: Signer,
+    *,
+    nodes: int = 4,
+    max_runtime_seconds: int = 86400,
+    clock: Callable[[], datetime] | None = None,
+) -> LocalLedger:
+    """The provider's cluster and priced queue on a fresh ledger. Jobs of the queue (partition ``debug``) may run
+    ``max_runtime_seconds``; ``clock`` is the ledger's time (a time-skipping test passes the test server's)."""
+    ledger = LocalLedger(config.ledger_path, seconds_per_block=config.chain.seconds_per_block, clock=clock)
     provider = config.provider.address
     ledger.register_cluster(
         Cluster(
@@ -138,7 +148,9 @@ def setup_ledger(config: Config, signer: Signer, *, nodes: int = 4) -> LocalLedg
             name="local",
             scheduler_type=config.hpc.scheduler_type,
             partitions=(
-                Partition(name="debug", nodes=nodes, max_nodes=nodes, max_runtime_seconds=86400),
+                Partition(
+                    name="debug", nodes=nodes, max_nodes=nodes, max_runtime_seconds=max_runtime_seconds
+                ),
                 Partition(name="long", nodes=nodes, max_nodes=2, max_runtime_seconds=7 * 86400),
             ),
             total_nodes=nodes,
@@ -156,7 +168,7 @@ def setup_ledger(config: Config, signer: Signer, *, nodes: int = 4) -> LocalLedg
                 memory_gb_hour=Decimal("0.36"),
                 minimum_charge=Decimal("0.01"),
             ),
-            max_duration_seconds=86400,
+            max_duration_seconds=max_runtime_seconds,
         )
     )
     ledger.register_provider_key(provider, public_key_b64(signer.public_key))

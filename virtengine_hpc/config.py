@@ -158,6 +158,14 @@ class JobServiceConfig(Section):
         Path("/var/lib/virtengine/hpc-state"),
         description="Local state (LocalLedger file, local adapter jobs).",
     )
+    continue_as_new_after_events: int = Field(
+        5000,
+        ge=200,
+        le=9000,
+        description="A job's workflow starts a fresh run (continue-as-new, state carried) once its history "
+        "holds this many events, or earlier when Temporal suggests it (4,096 events on a default server). "
+        "Keeps every run well below Temporal's 10,240-event warning, whatever the job's duration.",
+    )
 
 
 class UsageReportingConfig(Section):

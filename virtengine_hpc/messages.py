@@ -40,7 +40,7 @@ class JobSettings(Model):
     vanished_grace_seconds: float = 120.0
     retry: RetrySettings = Field(default_factory=RetrySettings)
     max_watch_seconds: float = 3600.0
-    continue_as_new_after_events: int = 8000
+    continue_as_new_after_events: int = 5000
     max_queue_wait_seconds: float | None = Field(
         None,
         description="Cancel a job that has waited this long in the scheduler's queue without starting (reported "
