@@ -16,6 +16,7 @@ from activities.audit import AuditLog
 from activities.chain.local_ledger import LocalLedger
 from activities.chain.node_ledger import NodeLedger
 from virtengine_hpc.config import AuditConfig
+from virtengine_hpc.errors import ChainError
 
 
 def mode(path: Path) -> int:
@@ -74,3 +75,12 @@ def test_the_audit_log_is_private_even_after_rotation(tmp_path: Path) -> None:
     audit.record("job_submitted", job_id="JOB-2", cluster_id="c1")
     assert mode(path) == 0o600
     assert "JOB-2" in path.read_text()
+
+
+def test_a_ledger_that_cannot_be_created_is_a_clear_error(tmp_path: Path) -> None:
+    blocked = tmp_path / "not-a-dir"
+    blocked.write_text("")
+    with pytest.raises(ChainError, match=r"cannot create ledger .*not-a-dir/ledger\.db: Not a directory"):
+        LocalLedger(blocked / "ledger.db")
+    with pytest.raises(ChainError, match="cannot create node ledger"):
+        NodeLedger(blocked / "ledger.db")

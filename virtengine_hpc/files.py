@@ -8,6 +8,7 @@ group (an auditors' group, say) sets mode 0640 and that group itself, and the se
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import stat
@@ -25,6 +26,8 @@ def ensure_private(path: str | os.PathLike[str]) -> Path:
     Its directory is created if missing. Returns the path.
     """
     target = Path(path)
+    if target.parent.exists() and not target.parent.is_dir():
+        raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), str(target.parent))
     target.parent.mkdir(parents=True, exist_ok=True)
     try:
         fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, PRIVATE_MODE)

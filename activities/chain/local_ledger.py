@@ -405,7 +405,10 @@ class LocalLedger:
         self._local = threading.local()
         # Every job's script and environment is in this file: private to the provider's account (its -wal and
         # -shm files get the same mode from SQLite).
-        ensure_private(self.path)
+        try:
+            ensure_private(self.path)
+        except OSError as exc:
+            raise ChainError(f"cannot create ledger {self.path}: {exc.strerror}") from None
         self._init_schema(seconds_per_block, genesis_time or self._now())
 
     @classmethod

@@ -170,7 +170,10 @@ class NodeLedger:
 
     def __init__(self, path: str | Path, *, busy_timeout: float = 10.0) -> None:
         self.path = Path(path)
-        ensure_private(self.path)
+        try:
+            ensure_private(self.path)
+        except OSError as exc:
+            raise ChainError(f"cannot create node ledger {self.path}: {exc.strerror}") from None
         self._lock = threading.Lock()
         self._db = sqlite3.connect(
             self.path, timeout=busy_timeout, isolation_level=None, check_same_thread=False
