@@ -370,6 +370,7 @@ class JobActivities:
         # when it first went missing, not from whenever the latest attempt started.
         missing_since = attempt.progress.missing_since if attempt.resumed else request.missing_since
         last_seen = attempt.progress.last_state or request.last_state
+        sent = await self._earlier_report(request, attempt)
         while True:
             now = datetime.now(UTC)
             try:
@@ -383,19 +384,49 @@ class JobActivities:
                 if not status.found:
                     missing_since = missing_since or now
                     if (now - missing_since).total_seconds() >= request.vanished_grace_seconds:
-                        return WatchOutput(status=status, changed=True, missing_since=missing_since)
+                        return WatchOutput(
+                            status=status, changed=True, missing_since=missing_since, usage=sent
+                        )
                 else:
                     missing_since, last_seen = None, status.state
                     if status.state != request.last_state or _restarted(request, status):
-                        return WatchOutput(status=status, changed=True)
+                        return WatchOutput(status=status, changed=True, usage=sent)
                 attempt.record(
                     last_state=last_seen, found=status.found, missing_since=missing_since, error=None
                 )
                 if datetime.now(UTC) >= request.return_by:
-                    usage = await self._periodic_report(request, status, attempt)
+                    usage = sent or await self._periodic_report(request, status, attempt)
                     return WatchOutput(status=status, changed=False, missing_since=missing_since, usage=usage)
             elif datetime.now(UTC) >= request.return_by:
                 raise ApplicationError("scheduler unreachable; watch retried", type="SchedulerUnavailable")
+
+    async def _earlier_report(self, request: WatchInput, attempt: Attempt) -> UsageOutput | None:
+        """The report an earlier attempt of this watch may have sent, which the workflow never heard of.
+
+        Whatever this attempt returns must name it, or the workflow's next record (the final one, if the job
+        has ended meanwhile) would reuse its sequence. The record the predecessor heartbeated is sent again (the
+        chain keeps the first); without it, the chain is asked for the report's record id.
+        """
+        report = request.report
+        if report is None or attempt.first:
+            return None
+        rid = record_id(report.cluster_id, report.job.job_id, report.sequence)
+        signed = attempt.progress.usage_record
+        if signed is not None and signed.record_id == rid:
+            try:
+                return await self._report_usage(report, attempt)
+            except ApplicationError as err:
+                if not err.non_retryable:
+                    raise
+                return None  # the chain refused it for good: it holds no record under this sequence
+        try:
+            stored = await heartbeating(self.chain.get_usage_record(rid), attempt)
+        except HPCError as exc:
+            raise to_application_error(exc) from None
+        if stored is None:
+            return None
+        cumulative = _add(report.previous_cumulative, stored)
+        return UsageOutput(record_id=rid, cumulative=cumulative, period_end=stored.period_end)
 
     async def _periodic_report(
         self, request: WatchInput, status: NativeStatus, attempt: Attempt
@@ -498,6 +529,13 @@ class JobActivities:
             # answers ChainUnavailable, longer than the 10 s heartbeat timeout, and a silent wait had Temporal
             # cancel and retry the attempt while the first one's write still sat in a thread (chaos benchmark).
             record = await self._send_record(request, rid, attempt)
+            if request.is_final and not record.is_final:
+                # An earlier report took this sequence for a period record (a watch whose answer was lost): it
+                # stands, and the final record follows it.
+                log.warning("usage record %s is a period record; the final record follows it", rid)
+                request = _following(request, record)
+                rid = record_id(request.cluster_id, job.job_id, request.sequence)
+                record = await self._send_record(request, rid, attempt)
             cumulative = _add(request.previous_cumulative, record)
             output = UsageOutput(record_id=rid, cumulative=cumulative, period_end=record.period_end)
             if request.is_final and request.report_accounting:
@@ -640,6 +678,17 @@ def _restarted(request: WatchInput, status: NativeStatus) -> bool:
         and request.last_start_time is not None
         and status.start_time is not None
         and status.start_time != request.last_start_time
+    )
+
+
+def _following(request: UsageInput, stored: UsageRecord) -> UsageInput:
+    """The same report, one sequence on: after ``stored``, from where it ended."""
+    return request.model_copy(
+        update={
+            "sequence": request.sequence + 1,
+            "previous_cumulative": _add(request.previous_cumulative, stored),
+            "period_start": stored.period_end,
+        }
     )
 
 

@@ -28,7 +28,7 @@ from temporalio import activity
 from temporalio.exceptions import ApplicationError
 from temporalio.testing import ActivityEnvironment
 
-from activities.attempts import LOST_ATTEMPTS, heartbeating
+from activities.attempts import LOST_ATTEMPTS, AttemptProgress, heartbeating
 from activities.audit import read_events
 from activities.chain.client import UsageSubmitResult
 from activities.chain.local_ledger import LocalLedger
@@ -613,5 +613,149 @@ async def test_a_retried_watch_resumes_the_vanished_jobs_grace_from_its_heartbea
         out = await retry.run(deps.activities.watch_job, request)
         assert out.changed and not out.status.found
         assert out.missing_since == went_missing, "the grace period ran from when the job first went missing"
+    finally:
+        await deps.close()
+
+
+# ---- a watch's report survives the watch's lost attempt ------------------------------------------------------
+
+
+class StallingChain:
+    """The LocalLedger behind a worker that stalls (its event loop blocked, as under heavy load) right after the
+    chain stored the first period record of a job: the watch attempt that sent it misses its heartbeat timeout,
+    and its answer, naming the record, is lost."""
+
+    def __init__(self, ledger: LocalLedger, stall: float = 25.0) -> None:
+        self.ledger = ledger
+        self.stall = stall
+        self.stalled: list[str] = []
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.ledger, name)
+
+    async def submit_usage(self, records: list[UsageRecord]) -> UsageSubmitResult:
+        result = await self.ledger.submit_usage(records)
+        first = [r.record_id for r in records if r.sequence == 1 and not r.is_final]
+        if first and not self.stalled:
+            self.stalled += first
+            time.sleep(self.stall)  # the whole worker stalls: no heartbeat leaves it
+        return result
+
+
+async def test_a_report_sent_by_a_lost_watch_attempt_is_not_reused_by_the_final_record(
+    client: Any, tmp_path: Path, key_path: Path, task_queue: str
+) -> None:
+    """Found by the load benchmark (13 of 600 jobs parked): a watch attempt sent period record 1 and lost its
+    attempt to a heartbeat timeout before answering; the job ended meanwhile, so the retried watch answered
+    "completed" without a record, and the final record reused sequence 1. The chain answered "duplicate", the
+    stored record was not final, and the ledger refused the accounting. Now the retried watch names the record
+    its predecessor sent, and the final record is record 2."""
+    adapter = MemoryAdapter(
+        default=Script(
+            [(0.0, JobState.QUEUED), (0.2, JobState.RUNNING), (5.0, JobState.COMPLETED)], exit_code=0
+        )
+    )
+    chains: list[StallingChain] = []
+
+    def stalling(ledger: LocalLedger) -> StallingChain:
+        chains.append(StallingChain(ledger))
+        return chains[-1]
+
+    config = make_config(tmp_path)
+    async with running_pipeline(client, config, key_path, adapter, task_queue, chain=stalling) as pipe:
+        job_id = pipe.submit()
+        results = await pipe.run_until_done([job_id], timeout=150)
+        scheduler_job_id = results[job_id].scheduler_job_id
+        assert scheduler_job_id is not None
+        final = await adapter.usage(scheduler_job_id)
+        history = await pipe.handle(job_id).fetch_history()
+    assert chains[0].stalled == [f"{config.hpc.cluster_id}/{job_id}/1"]
+    retried = [
+        e.activity_task_started_event_attributes.last_failure.message
+        for e in history.events
+        if e.HasField("activity_task_started_event_attributes")
+        and e.activity_task_started_event_attributes.attempt > 1
+    ]
+    assert any("Heartbeat timeout" in m for m in retried), f"the watch attempt was lost: {retried}"
+    assert results[job_id].state == JobState.COMPLETED, results[job_id].message
+    records = pipe.ledger.usage_records(job_id)
+    assert [(r.sequence, r.is_final) for r in records] == [(1, False), (2, True)]
+    assert sum_metrics([r.metrics for r in records]) == normalize_metrics(final.metrics)
+    assert results[job_id].final_record_id == records[-1].record_id
+    assert pipe.ledger.settlement(job_id) is not None
+
+
+async def test_a_retried_watch_names_the_report_its_predecessor_sent(tmp_path: Path, key_path: Path) -> None:
+    """Whatever a retried watch answers, it names the period record an earlier attempt sent: the one in its
+    heartbeat details (sent again, the chain keeps the first), or else the one the chain holds."""
+    adapter = MemoryAdapter(default=Script([(0.0, JobState.RUNNING), (0.5, JobState.COMPLETED)], exit_code=0))
+    ledger, deps, job, scheduler_job_id = await activity_setup(tmp_path, key_path, adapter)
+    cluster_id = deps.config.hpc.cluster_id
+    report = UsageInput(
+        job=job,
+        cluster_id=cluster_id,
+        scheduler_job_id=scheduler_job_id,
+        sequence=1,
+        period_start=datetime.now(UTC),
+        previous_cumulative=UsageMetrics(),
+        job_state=JobState.RUNNING,
+    )
+    watch = WatchInput(
+        job_id=job.job_id,
+        cluster_id=cluster_id,
+        scheduler_job_id=scheduler_job_id,
+        last_state=JobState.RUNNING,
+        return_by=datetime.now(UTC) + timedelta(minutes=5),
+        poll_interval_seconds=0.1,
+        report=report,
+    )
+    try:
+        sent = await ActivityEnvironment().run(
+            deps.activities.report_usage, report
+        )  # the lost attempt's send
+        stored = ledger.usage_record(sent.record_id)
+        assert stored is not None
+        await asyncio.sleep(0.6)  # the job ends meanwhile
+        for details in ([AttemptProgress(usage_record=stored).model_dump(mode="json")], []):
+            retry = ActivityEnvironment()
+            retry.info = dataclasses.replace(retry.info, attempt=2, heartbeat_details=details)
+            out = await retry.run(deps.activities.watch_job, watch)
+            assert out.changed and out.status.state == JobState.COMPLETED
+            assert out.usage == sent, "the answer names the record already on chain"
+        assert ledger.usage_records(job.job_id) == [stored]
+    finally:
+        await deps.close()
+
+
+async def test_a_final_report_whose_sequence_holds_a_period_record_follows_it(
+    tmp_path: Path, key_path: Path
+) -> None:
+    """Should the final report still meet a period record under its sequence (the lost watch's write landed
+    after the retry looked), that record stands and the final record follows it as the next sequence; the
+    accounting names it and the chain settles."""
+    adapter = MemoryAdapter(default=Script([(0.0, JobState.RUNNING), (0.5, JobState.COMPLETED)], exit_code=0))
+    ledger, deps, job, scheduler_job_id = await activity_setup(tmp_path, key_path, adapter)
+    request = UsageInput(
+        job=job,
+        cluster_id=deps.config.hpc.cluster_id,
+        scheduler_job_id=scheduler_job_id,
+        sequence=1,
+        period_start=datetime.now(UTC),
+        previous_cumulative=UsageMetrics(),
+        job_state=JobState.RUNNING,
+    )
+    try:
+        await asyncio.sleep(0.2)
+        await ActivityEnvironment().run(deps.activities.report_usage, request)  # the period record
+        await asyncio.sleep(0.5)
+        final_request = request.model_copy(
+            update={"is_final": True, "report_accounting": True, "job_state": JobState.COMPLETED}
+        )
+        out = await ActivityEnvironment().run(deps.activities.report_usage, final_request)
+        records = ledger.usage_records(job.job_id)
+        assert [(r.sequence, r.is_final) for r in records] == [(1, False), (2, True)]
+        assert out.record_id == records[-1].record_id and out.charged is not None
+        final = await adapter.usage(scheduler_job_id)
+        assert out.cumulative == sum_metrics([r.metrics for r in records]) == normalize_metrics(final.metrics)
     finally:
         await deps.close()
