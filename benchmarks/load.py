@@ -13,6 +13,13 @@ scheduler status queries per poll interval while N run (the target is 1), usage 
 running to N settled, history events per job, and an end check (every job completed, records gapless with one
 final record, settled).
 
+Attempts: how many activity attempts were lost and retried, by activity. From every job's history (an
+activity's completing attempt carries its number and the failure of the attempt before it: ``retried`` is the sum
+of the attempts that did not complete, ``heartbeat`` those whose successor names a heartbeat timeout, a lower
+bound when an activity took more than two attempts), and from the worker's
+``virtengine_hpc_activity_attempts_cancelled_total`` (attempts the live worker saw cancelled because the server
+had given them up: ``timed_out``/``not_found``).
+
 Part 2. ``benchmarks/pipeline.py`` in the same run: the job pipeline against a bare workflow with the same
 number of activities (``--ratio-jobs`` jobs, ``--ratio-rounds`` rounds), local executor and in-memory scheduler.
 
@@ -38,10 +45,12 @@ import uuid
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import psutil
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
+from temporalio.api.enums.v1 import TimeoutType
 from temporalio.client import Client
 from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.testing import WorkflowEnvironment
@@ -86,18 +95,30 @@ def free_port() -> int:
 
 def scrape(url: str) -> tuple[float, dict[str, float]]:
     """(batched status queries, scheduler calls by operation) from the worker's /metrics."""
-    with urllib.request.urlopen(url, timeout=5) as answer:
-        text = answer.read().decode()
     queries = 0.0
     calls: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name == "virtengine_hpc_scheduler_queries_total":
-                queries += sample.value
-            elif sample.name == "virtengine_hpc_scheduler_call_seconds_count":
-                operation = sample.labels["operation"]
-                calls[operation] = calls.get(operation, 0.0) + sample.value
+    for sample in metric_samples(url):
+        if sample.name == "virtengine_hpc_scheduler_queries_total":
+            queries += sample.value
+        elif sample.name == "virtengine_hpc_scheduler_call_seconds_count":
+            operation = sample.labels["operation"]
+            calls[operation] = calls.get(operation, 0.0) + sample.value
     return queries, calls
+
+
+def metric_samples(url: str) -> list[Any]:
+    with urllib.request.urlopen(url, timeout=5) as answer:
+        text = answer.read().decode()
+    return [sample for family in text_string_to_metric_families(text) for sample in family.samples]
+
+
+def cancelled_attempts(url: str) -> dict[str, int]:
+    """Attempts the worker saw cancelled by Temporal, as ``activity/reason`` -> count."""
+    return {
+        f"{s.labels['activity']}/{s.labels['reason']}": int(s.value)
+        for s in metric_samples(url)
+        if s.name == "virtengine_hpc_activity_attempts_cancelled_total" and s.value
+    }
 
 
 def states(ledger_path: Path) -> Counter[str]:
@@ -190,6 +211,32 @@ async def history_events(client: Client, job_ids: list[str]) -> list[int]:
         history = await client.get_workflow_handle(job_id).fetch_history()
         counts.append(len(history.events))
     return counts
+
+
+async def retried_attempts(client: Client, job_ids: list[str]) -> dict[str, tuple[int, int]]:
+    """Per activity type: (attempts that did not complete, of which heartbeat timeouts named by the next one)."""
+    heartbeat = TimeoutType.TIMEOUT_TYPE_HEARTBEAT
+    found: dict[str, tuple[int, int]] = {}
+    for job_id in job_ids:
+        history = await client.get_workflow_handle(job_id).fetch_history()
+        types: dict[int, str] = {}
+        for event in history.events:
+            if event.HasField("activity_task_scheduled_event_attributes"):
+                types[event.event_id] = event.activity_task_scheduled_event_attributes.activity_type.name
+            elif event.HasField("activity_task_started_event_attributes"):
+                started = event.activity_task_started_event_attributes
+                name = types.get(started.scheduled_event_id, "?")
+                last = started.last_failure
+                timed_out = (
+                    last.HasField("timeout_failure_info")
+                    and last.timeout_failure_info.timeout_type == heartbeat
+                )
+                retried, by_heartbeat = found.get(name, (0, 0))
+                found[name] = (
+                    retried + started.attempt - 1,
+                    by_heartbeat + int(started.attempt > 1 and timed_out),
+                )
+    return {name: counts for name, counts in sorted(found.items()) if counts[0]}
 
 
 def end_check(config: Config, job_ids: list[str]) -> list[str]:
@@ -316,7 +363,10 @@ async def load(args: argparse.Namespace) -> dict[str, object]:
             await asyncio.sleep(2)
         histories = await history_events(env.client, job_ids[:: max(1, args.jobs // 25)])
         problems = end_check(config, job_ids)
-        return summarize(args, run, idle, histories, problems)
+        result = summarize(args, run, idle, histories, problems)
+        result["attempts_retried"] = await retried_attempts(env.client, job_ids)
+        result["attempts_cancelled"] = cancelled_attempts(metrics_url)
+        return result
     finally:
         if worker is not None and worker.poll() is None:
             worker.send_signal(signal.SIGTERM)
@@ -392,6 +442,8 @@ def report(result: dict[str, object]) -> None:
         ("history_events", "history events per job (min, median, max)"),
         ("status_queries_total", "status queries in all"),
         ("scheduler_calls_total", "scheduler calls by operation"),
+        ("attempts_retried", "attempts retried (all, heartbeat timeouts)"),
+        ("attempts_cancelled", "attempts the worker saw cancelled"),
         ("end_check", "end check"),
     ]:
         if key in result:

@@ -11,10 +11,11 @@ All jobs are submitted held (``--hold``: they never run), named ``vehpc-bench-<r
 
 * raw limit: a plain loop of the transport's own submission (``sbatch --parsable --hold`` in one bash loop for the
   CLI; ``sbatch`` over one kept SSH connection; keep-alive ``POST /slurm/<v>/job/submit`` for slurmrestd).
-* the adapter, one submit at a time: each submit first looks the workflow up (controller and accounting) so that a
-  retried submit adopts instead of resubmitting. That lookup is the price of exactly-once.
+* the adapter, one submit at a time, as the submit activity's first attempt calls it: ``sbatch`` at once (nothing
+  can have made the job yet), then the check for duplicates of racing attempts (one controller query). That
+  check is the price of exactly-once; a retried submit also looks the job up (controller and accounting) first.
 * the adapter, ``--concurrency`` submits in flight (a worker runs many submit activities at once): concurrent
-  lookups coalesce into one controller query and one accounting query per batch.
+  checks coalesce into one controller query per batch.
 * batching: one watcher per job calls ``StatusBatcher.status`` round after round, as every ``watch_job`` activity of
   a worker does; the benchmark counts the scheduler queries the adapter actually makes per interval.
 """
@@ -94,7 +95,7 @@ def request(run: str, n: int) -> SubmitRequest:
         script="true\n",
         resources={"memory_mb_per_node": 64},
     )
-    return SubmitRequest(workflow_id=wf, job=job, body="true\n")
+    return SubmitRequest(workflow_id=wf, job=job, body="true\n", first_attempt=True)
 
 
 # ---- raw limits ------------------------------------------------------------------------------------------------
@@ -180,7 +181,7 @@ async def adapter_concurrent(
     adapter: SlurmAdapter, run: str, start: int, count: int, concurrency: int
 ) -> tuple[float, list[str], int]:
     slots = asyncio.Semaphore(concurrency)
-    batches_before = adapter._finder.batches
+    batches_before = adapter._live_finder.batches
 
     async def one(n: int) -> str:
         async with slots:
@@ -189,7 +190,7 @@ async def adapter_concurrent(
     started = time.perf_counter()
     ids = await asyncio.gather(*(one(n) for n in range(start, start + count)))
     seconds = time.perf_counter() - started
-    return count / seconds, list(ids), adapter._finder.batches - batches_before
+    return count / seconds, list(ids), adapter._live_finder.batches - batches_before
 
 
 # ---- batching ----------------------------------------------------------------------------------------------------
@@ -299,8 +300,8 @@ async def main() -> None:
             "adapter_concurrent_per_s": [round(x) for x in conc_rates],
             "adapter_sequential_per_s": [round(x, 1) for x in seq_rates],
             "concurrency": args.concurrency,
-            "lookup_queries": dict(adapter.calls),
-            "lookup_batches": batches,
+            "scheduler_queries": dict(adapter.calls),
+            "check_batches": batches,
             "ratio_concurrent_median": round(conc / raw, 2),
             "ratio_sequential_median": round(seq / raw, 2),
         }

@@ -45,6 +45,7 @@ from temporalio.runtime import (
     TelemetryFilter,
 )
 
+from activities.attempts import LOST_ATTEMPTS
 from activities.audit import AuditLog
 from activities.schedulers.base import SchedulerAdapter
 from virtengine_hpc.config import AuditConfig
@@ -78,7 +79,8 @@ class WorkerMetrics:
         self.submissions = Counter(
             f"{PREFIX}_submissions",
             "Scheduler submissions by outcome: submitted, adopted (a retried submit found its job), rejected "
-            "(the scheduler refused it), retries_exhausted.",
+            "(the scheduler refused it), retries_exhausted, duplicate_cancelled (the extra job of a submit "
+            "attempt that raced another, cancelled).",
             ["cluster", "outcome"],
             registry=r,
         )
@@ -221,6 +223,7 @@ class WorkerMetrics:
         )
         self._batchers: list[JobActivities] = []
         self.registry.register(_BatcherCollector(self._batchers))
+        self.registry.register(_AttemptsCollector())
 
     # ---- audit events ---------------------------------------------------------------------------------------
 
@@ -283,6 +286,7 @@ _AUDIT_HANDLERS: dict[str, Callable[[WorkerMetrics, str, bool, Mapping[str, Any]
     "job_submitted": _submitted,
     "job_submission_failed": lambda m, c, s, d: m.submissions.labels(c, "rejected").inc(),
     "job_max_retries_exceeded": lambda m, c, s, d: m.submissions.labels(c, "retries_exhausted").inc(),
+    "duplicate_job_cancelled": lambda m, c, s, d: m.submissions.labels(c, "duplicate_cancelled").inc(),
     "job_validation_failed": lambda m, c, s, d: m.validation_failures.labels(c).inc(),
     "usage_reported": lambda m, c, s, d: m.usage_records.labels(c, "sent").inc(),
     "usage_report_failed": lambda m, c, s, d: m.usage_records.labels(c, "failed").inc(),
@@ -347,6 +351,25 @@ class _BatcherCollector(Collector):
             failures.add_metric([cluster], f)
         yield queries
         yield failures
+
+    def describe(self) -> Iterable[CounterMetricFamily]:
+        return []
+
+
+class _AttemptsCollector(Collector):
+    """Activity attempts this process saw cancelled by Temporal (``activities.attempts.LOST_ATTEMPTS``)."""
+
+    def collect(self) -> Iterable[CounterMetricFamily]:
+        family = CounterMetricFamily(
+            f"{PREFIX}_activity_attempts_cancelled",
+            "Activity attempts Temporal cancelled while this worker ran them, by activity and reason: timed_out "
+            "and not_found mean the server had already given the attempt up (its heartbeat timeout passed) and "
+            "retried it; cancelled is a cancel request (a watch whose job got a cancel, a workflow cancel).",
+            labels=["activity", "reason"],
+        )
+        for (activity_type, reason), count in sorted(LOST_ATTEMPTS.items()):
+            family.add_metric([activity_type, reason], count)
+        yield family
 
     def describe(self) -> Iterable[CounterMetricFamily]:
         return []
