@@ -9,13 +9,16 @@ report them.
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from decimal import Decimal
 from typing import TypeVar
 
+from pydantic import ValidationError as PydanticValidationError
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
@@ -32,6 +35,7 @@ from virtengine_hpc.messages import (
     CancelInput,
     FindInput,
     FindOutput,
+    JobRef,
     ParkInput,
     RecoverInput,
     RecoverOutput,
@@ -45,13 +49,15 @@ from virtengine_hpc.messages import (
     WatchInput,
     WatchOutput,
 )
-from virtengine_hpc.models import Cluster, JobSpec, PricedQueue, UsageMetrics, UsageRecord
+from virtengine_hpc.models import Cluster, JobSpec, PricedQueue, UsageMetrics, UsageRecord, spec_digest
 from virtengine_hpc.signing import Signer
 from virtengine_hpc.states import JobState
 from virtengine_hpc.usage import diff_metrics, normalize_metrics, record_id, sign_record, sum_metrics
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+MAX_MESSAGE = 1024
+"""A refusal's message is cut to this (the chain keeps as much): it may quote what the tenant sent."""
 
 
 @dataclass(frozen=True)
@@ -64,7 +70,9 @@ class ResolvedBody:
 
 BodyResolver = Callable[[JobSpec, SchedulerAdapter], Awaitable[str | ResolvedBody]]
 """Turns a job into the program the scheduler runs: its script, or its template rendered for the adapter (a plain
-``str`` from a site's own resolver means a script that shares nodes)."""
+``str`` from a site's own resolver means a script that shares nodes). ``route_job`` calls it to check the job;
+``submit_job`` calls its ``render`` method if it has one (the program alone, without the checks routing made),
+else the resolver itself."""
 
 
 async def script_only_body(job: JobSpec, adapter: SchedulerAdapter) -> str:
@@ -121,14 +129,19 @@ class JobActivities:
 
     @activity.defn(name="route_job")
     async def route_job(self, request: RouteRequest) -> RouteOutcome:
-        job = request.job
+        """Check the job's routing, its partition's bounds and its program (the body is rendered to check it and
+        then dropped: ``submit_job`` renders it again where it submits, so no result carries it)."""
         try:
             adapter = self.adapter(request.cluster_id)
+            job = await self.job_spec(request.job)
             routed = await self.enforcer.enforce(job, request.cluster_id)
             violations = routed.violations
             if not routed.accepted:
                 return RouteOutcome(
-                    accepted=False, code="routing_rejected", message=routed.message, violations=violations
+                    accepted=False,
+                    code="routing_rejected",
+                    message=routed.message[:MAX_MESSAGE],
+                    violations=violations,
                 )
             cluster = await self.chain.get_cluster(routed.cluster_id)
             # Checked where the job will run, after any fallback: the offering prices this very cluster.
@@ -142,18 +155,16 @@ class JobActivities:
                     raise ValidationError(f"partition {partition!r} does not exist on {cluster.cluster_id}")
                 partition = part.name
                 _check_bounds(job, part.max_nodes, part.max_runtime_seconds)
-            resolved = await self.resolve_body(job, adapter)
-            if isinstance(resolved, str):
-                resolved = ResolvedBody(resolved)
+            await self._resolve(job, adapter)
         except ValidationError as exc:
             self.audit.record(
                 "job_validation_failed",
-                job_id=job.job_id,
+                job_id=request.job.job_id,
                 cluster_id=request.cluster_id,
                 success=False,
                 error_msg=str(exc),
             )
-            return RouteOutcome(accepted=False, code="validation_failed", message=str(exc))
+            return RouteOutcome(accepted=False, code="validation_failed", message=str(exc)[:MAX_MESSAGE])
         except HPCError as exc:
             raise to_application_error(exc) from None
         return RouteOutcome(
@@ -163,8 +174,6 @@ class JobActivities:
             is_fallback=routed.is_fallback,
             violations=violations,
             partition=partition,
-            body=resolved.text,
-            exclusive=resolved.exclusive,
         )
 
     async def _offering(self, job: JobSpec, cluster: Cluster | None, routed_to: str) -> PricedQueue:
@@ -188,6 +197,36 @@ class JobActivities:
             )
         return queue
 
+    async def job_spec(self, ref: JobRef) -> JobSpec:
+        """The job's spec as the chain holds it, and the one the poller accepted (same digest).
+
+        Workflow and activity payloads carry only the reference (``JobRef``); the activities that need the
+        tenant's program read it here, so its size never reaches Temporal.
+        """
+        found = await self.chain.get_job(ref.job_id)
+        if found is None:
+            raise ValidationError(f"job {ref.job_id} is not on chain")
+        if ref.spec_sha256 is not None and spec_digest(found.raw_spec) != ref.spec_sha256:
+            raise ValidationError(
+                f"the spec of job {ref.job_id} on chain is not the one accepted for it (its digest differs)"
+            )
+        try:
+            spec = JobSpec.model_validate(found.raw_spec)
+        except PydanticValidationError as exc:
+            raise ValidationError(f"job {ref.job_id} has an invalid spec: {exc.errors()[0]['msg']}") from None
+        if spec.job_id != ref.job_id:
+            raise ValidationError(f"the chain returned job {spec.job_id} for {ref.job_id}")
+        return spec
+
+    async def _resolve(
+        self, job: JobSpec, adapter: SchedulerAdapter, *, render: bool = False
+    ) -> ResolvedBody:
+        resolver: BodyResolver = self.resolve_body
+        if render:
+            resolver = getattr(resolver, "render", resolver)
+        resolved = await resolver(job, adapter)
+        return ResolvedBody(resolved) if isinstance(resolved, str) else resolved
+
     # ---- submission ---------------------------------------------------------------------------------------------
 
     @activity.defn(name="submit_job")
@@ -203,15 +242,16 @@ class JobActivities:
         adapter = self.adapter(request.cluster_id)
         attempt = Attempt.current()
         known = attempt.progress.scheduler_job_id
+        job, resolved = await self._prepare(request, adapter, attempt)
         try:
             result = await heartbeating(
                 adapter.submit(
                     SubmitRequest(
                         workflow_id=request.workflow_id,
-                        job=request.job,
-                        body=request.body,
+                        job=job,
+                        body=resolved.text,
                         partition=request.partition,
-                        exclusive=request.exclusive,
+                        exclusive=resolved.exclusive,
                         first_attempt=attempt.first,
                         known_job_id=known,
                     ),
@@ -273,6 +313,44 @@ class JobActivities:
                     else "submit retried; adopted existing job",
                 },
             )
+
+    async def _prepare(
+        self, request: SubmitInput, adapter: SchedulerAdapter, attempt: Attempt
+    ) -> tuple[JobSpec, ResolvedBody]:
+        """Read the spec from chain and render the body for the adapter that submits it.
+
+        The chain being unreachable does not use up submit attempts: the attempt waits for it (heartbeating its
+        progress, so a scheduler job id an earlier attempt heartbeated is kept) until a minute before its own
+        timeout. A refusal is raised with a type the workflow does not count as the scheduler's refusal: an
+        earlier attempt may have submitted the job before, say, its template was withdrawn, so the workflow looks
+        it up (``find_job``) and adopts it rather than fail a job that runs.
+        """
+        timeout = activity.info().start_to_close_timeout or timedelta(seconds=300)
+        give_up = time.monotonic() + max(timeout.total_seconds() - 60, 0)
+        delay = 1.0
+        while True:
+            try:
+                job = await heartbeating(self.job_spec(request.job), attempt)
+                return job, await heartbeating(self._resolve(job, adapter, render=True), attempt)
+            except HPCError as exc:
+                if not exc.transient or time.monotonic() + delay >= give_up:
+                    raise self._unprepared(request, exc) from None
+                log.warning("cannot read job %s to submit it, will retry: %s", request.job.job_id, exc)
+                await heartbeating(asyncio.sleep(delay), attempt)
+                delay = min(2 * delay, 30.0)
+
+    def _unprepared(self, request: SubmitInput, exc: HPCError) -> ApplicationError:
+        if not exc.transient:
+            self.audit.record(
+                "job_validation_failed",
+                job_id=request.job.job_id,
+                cluster_id=request.cluster_id,
+                success=False,
+                error_msg=str(exc),
+            )
+        return ApplicationError(
+            str(exc), {"code": exc.code}, type="SubmissionUnprepared", non_retryable=not exc.transient
+        )
 
     @activity.defn(name="find_job")
     async def find_job(self, request: FindInput) -> FindOutput:
@@ -410,7 +488,7 @@ class JobActivities:
         report = request.report
         if report is None or attempt.first:
             return None
-        rid = record_id(report.cluster_id, report.job.job_id, report.sequence)
+        rid = record_id(report.cluster_id, report.job_id, report.sequence)
         signed = attempt.progress.usage_record
         if signed is not None and signed.record_id == rid:
             try:
@@ -522,8 +600,7 @@ class JobActivities:
         return await self._report_usage(request, Attempt.current())
 
     async def _report_usage(self, request: UsageInput, attempt: Attempt) -> UsageOutput:
-        job = request.job
-        rid = record_id(request.cluster_id, job.job_id, request.sequence)
+        rid = record_id(request.cluster_id, request.job_id, request.sequence)
         try:
             # Chain calls heartbeat while they wait: a busy ledger waits out its busy timeout (30 s) before it
             # answers ChainUnavailable, longer than the 10 s heartbeat timeout, and a silent wait had Temporal
@@ -534,7 +611,7 @@ class JobActivities:
                 # stands, and the final record follows it.
                 log.warning("usage record %s is a period record; the final record follows it", rid)
                 request = _following(request, record)
-                rid = record_id(request.cluster_id, job.job_id, request.sequence)
+                rid = record_id(request.cluster_id, request.job_id, request.sequence)
                 record = await self._send_record(request, rid, attempt)
             cumulative = _add(request.previous_cumulative, record)
             output = UsageOutput(record_id=rid, cumulative=cumulative, period_end=record.period_end)
@@ -542,7 +619,7 @@ class JobActivities:
                 settlement = await heartbeating(
                     self.chain.report_accounting(
                         AccountingReport(
-                            job_id=job.job_id,
+                            job_id=request.job_id,
                             cluster_id=request.cluster_id,
                             totals=cumulative,
                             final_record_id=rid,
@@ -553,13 +630,13 @@ class JobActivities:
                 )
                 self.audit.record(
                     "accounting_reported",
-                    job_id=job.job_id,
+                    job_id=request.job_id,
                     cluster_id=request.cluster_id,
                     details={"final_record_id": rid, "records": request.sequence},
                 )
                 self.audit.record(
                     "settlement_completed",
-                    job_id=job.job_id,
+                    job_id=request.job_id,
                     cluster_id=request.cluster_id,
                     details={"charged": str(settlement.charged), "refunded": str(settlement.refunded)},
                 )
@@ -573,7 +650,7 @@ class JobActivities:
                 event = "accounting_report_failed" if request.report_accounting else "usage_report_failed"
                 self.audit.record(
                     event,
-                    job_id=job.job_id,
+                    job_id=request.job_id,
                     cluster_id=request.cluster_id,
                     success=False,
                     error_msg=str(exc),
@@ -610,7 +687,7 @@ class JobActivities:
             raise ChainError(f"chain did not take usage record {rid}", transient=True)
         self.audit.record(
             "usage_reported",
-            job_id=request.job.job_id,
+            job_id=request.job_id,
             cluster_id=request.cluster_id,
             details={
                 "record_id": rid,
@@ -635,7 +712,7 @@ class JobActivities:
         if request.is_final and not accounting.final and not request.accept_partial:
             # Accounting lags behind the queue (sacct): try again shortly rather than sign a partial reading.
             raise SchedulerError("final accounting not available yet", transient=True)
-        cumulative = _provider_storage(normalize_metrics(accounting.metrics), request.job)
+        cumulative = _provider_storage(normalize_metrics(accounting.metrics), request.storage_gb)
         period_end = datetime.now(UTC)
         if accounting.end_time is not None and request.is_final:
             period_end = max(accounting.end_time, request.period_start)
@@ -643,11 +720,11 @@ class JobActivities:
         metrics = diff_metrics(cumulative, request.previous_cumulative)
         record = UsageRecord(
             record_id=rid,
-            job_id=request.job.job_id,
+            job_id=request.job_id,
             cluster_id=request.cluster_id,
             scheduler_job_id=request.scheduler_job_id,
-            provider=request.job.provider,
-            tenant=request.job.tenant,
+            provider=request.provider,
+            tenant=request.tenant,
             sequence=request.sequence,
             period_start=request.period_start,
             period_end=period_end,
@@ -660,10 +737,10 @@ class JobActivities:
         return sign_record(record, self.signer)
 
 
-def _provider_storage(metrics: UsageMetrics, job: JobSpec) -> UsageMetrics:
+def _provider_storage(metrics: UsageMetrics, storage_gb: int) -> UsageMetrics:
     """Storage billed is what the provider accepted, the spec's ``storage_gb`` for as long as the job ran, never a
     scheduler's reading: Slurm keeps it in the job's comment, which the job's owner can ``scontrol update``."""
-    hours = Decimal(job.resources.storage_gb) * metrics.wall_clock_seconds / 3600
+    hours = Decimal(storage_gb) * metrics.wall_clock_seconds / 3600
     return normalize_metrics(UsageMetrics.model_validate({**metrics.model_dump(), "storage_gb_hours": hours}))
 
 

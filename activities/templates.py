@@ -72,6 +72,11 @@ class TemplateResolver:
     async def __call__(self, job: JobSpec, adapter: SchedulerAdapter) -> ResolvedBody:
         if self.chain is not None:
             await self.check_offering(job)
+        return await self.render(job, adapter)
+
+    async def render(self, job: JobSpec, adapter: SchedulerAdapter) -> ResolvedBody:
+        """The program alone, for ``submit_job``: the offering was checked when the job was routed; the template
+        is looked up (still approved, unmodified) and the parameters checked again, since rendering needs them."""
         if job.script is not None:
             return ResolvedBody(job.script)
         template = await self.template_for(job)

@@ -56,9 +56,8 @@ async def main(workflow_id: str, attempt: int, barrier_dir: Path, audit_log: Pat
             deps.activities.submit_job,
             SubmitInput(
                 workflow_id=workflow_id,
-                job=sc.spec(workflow_id, "echo never\n"),
+                job=sc.on_chain(config, sc.spec(workflow_id, "echo never\n")),
                 cluster_id=config.hpc.cluster_id,
-                body="echo never\n",
             ),
         )
     finally:

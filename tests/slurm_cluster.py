@@ -23,6 +23,7 @@ from typing import Any
 import pytest
 from pydantic import SecretStr
 
+from activities.chain.local_ledger import LocalLedger
 from activities.schedulers.base import NativeStatus
 from activities.schedulers.slurm import SlurmAdapter
 from virtengine_hpc.config import Config, Secrets, load_config
@@ -151,6 +152,12 @@ def spec(wf: str, script: str, **extra: Any) -> JobSpec:
     }
     raw.update(extra)
     return JobSpec.model_validate(raw)
+
+
+def on_chain(config: Config, job: JobSpec) -> JobSpec:
+    """Store the job on the config's ledger as a tenant would: ``submit_job`` reads the spec from the chain."""
+    LocalLedger.from_config(config).submit_job(job.model_dump(mode="json"))
+    return job
 
 
 async def wait_for(

@@ -175,7 +175,7 @@ async def test_a_cancelled_submit_attempt_kills_its_sbatch(
 
     activity_env = ActivityEnvironment()
     request = SubmitInput(
-        workflow_id=wf, job=sc.spec(wf, "true\n"), cluster_id=config.hpc.cluster_id, body="true\n"
+        workflow_id=wf, job=sc.on_chain(config, sc.spec(wf, "true\n")), cluster_id=config.hpc.cluster_id
     )
     try:
         task = asyncio.create_task(activity_env.run(deps.activities.submit_job, request))
@@ -328,7 +328,7 @@ async def test_a_first_attempt_submits_at_once_and_a_retry_adopts_its_heartbeate
     )
     wf = sc.workflow_id("attempts-heartbeat")
     request = SubmitInput(
-        workflow_id=wf, job=sc.spec(wf, "echo never\n"), cluster_id=config.hpc.cluster_id, body="echo never\n"
+        workflow_id=wf, job=sc.on_chain(config, sc.spec(wf, "echo never\n")), cluster_id=config.hpc.cluster_id
     )
     beats: list[Any] = []
     try:
@@ -477,7 +477,9 @@ async def test_a_usage_retry_sends_the_record_its_predecessor_signed(tmp_path: P
     adapter = CountingUsage()
     ledger, deps, job, scheduler_job_id = await activity_setup(tmp_path, key_path, adapter)
     request = UsageInput(
-        job=job,
+        job_id=job.job_id,
+        tenant=job.tenant,
+        provider=job.provider,
         cluster_id=deps.config.hpc.cluster_id,
         scheduler_job_id=scheduler_job_id,
         sequence=1,
@@ -527,7 +529,9 @@ async def test_a_usage_retry_that_meets_a_duplicate_carries_the_stored_record(
     ledger, deps, job, scheduler_job_id = await activity_setup(tmp_path, key_path, adapter)
     cluster_id = deps.config.hpc.cluster_id
     request = UsageInput(
-        job=job,
+        job_id=job.job_id,
+        tenant=job.tenant,
+        provider=job.provider,
         cluster_id=cluster_id,
         scheduler_job_id=scheduler_job_id,
         sequence=1,
@@ -692,7 +696,9 @@ async def test_a_retried_watch_names_the_report_its_predecessor_sent(tmp_path: P
     ledger, deps, job, scheduler_job_id = await activity_setup(tmp_path, key_path, adapter)
     cluster_id = deps.config.hpc.cluster_id
     report = UsageInput(
-        job=job,
+        job_id=job.job_id,
+        tenant=job.tenant,
+        provider=job.provider,
         cluster_id=cluster_id,
         scheduler_job_id=scheduler_job_id,
         sequence=1,
@@ -736,7 +742,9 @@ async def test_a_final_report_whose_sequence_holds_a_period_record_follows_it(
     adapter = MemoryAdapter(default=Script([(0.0, JobState.RUNNING), (0.5, JobState.COMPLETED)], exit_code=0))
     ledger, deps, job, scheduler_job_id = await activity_setup(tmp_path, key_path, adapter)
     request = UsageInput(
-        job=job,
+        job_id=job.job_id,
+        tenant=job.tenant,
+        provider=job.provider,
         cluster_id=deps.config.hpc.cluster_id,
         scheduler_job_id=scheduler_job_id,
         sequence=1,

@@ -271,7 +271,9 @@ async def test_a_usage_report_heartbeats_while_the_ledger_is_busy(tmp_path: Path
         out = await env.run(
             deps.activities.report_usage,
             UsageInput(
-                job=job,
+                job_id=job.job_id,
+                tenant=job.tenant,
+                provider=job.provider,
                 cluster_id=config.hpc.cluster_id,
                 scheduler_job_id=submitted.scheduler_job_id,
                 sequence=1,

@@ -401,7 +401,9 @@ async def test_report_usage_activities_share_batched_chain_calls(tmp_path: Path,
         submitted = await adapter.submit(SubmitRequest(workflow_id=job_id, job=spec, body="x"))
         inputs.append(
             UsageInput(
-                job=spec,
+                job_id=spec.job_id,
+                tenant=spec.tenant,
+                provider=spec.provider,
                 cluster_id=config.hpc.cluster_id,
                 scheduler_job_id=submitted.scheduler_job_id,
                 sequence=1,

@@ -43,7 +43,7 @@ from tests.conftest import REPO, make_config
 from tests.pipeline_harness import TENANT
 from virtengine_hpc.config import Config
 from virtengine_hpc.messages import JobResult
-from virtengine_hpc.models import Cluster, Partition, PricedQueue, Pricing
+from virtengine_hpc.models import Cluster, Partition, PricedQueue, Pricing, spec_digest
 from virtengine_hpc.signing import Signer, public_key_b64, write_private_key
 from virtengine_hpc.states import JobState
 
@@ -202,7 +202,7 @@ async def test_no_secret_reaches_histories_search_attributes_logs_audit_ledger_o
 ) -> None:
     slurm = _slurm_env()
     suffix = uuid.uuid4().hex[:6]
-    canary = f"canary-{uuid.uuid4().hex}"  # not a secret: proves the scan reads payloads and files
+    canary = f"canary-{uuid.uuid4().hex}"  # not a secret: proves the scan reads files
     local_id, moab_id, slurm_id = f"sec-local-{suffix}", f"sec-moab-{suffix}", f"sec-slurm-{suffix}"
     key_file = tmp_path / "keys" / "provider.key"
     write_private_key(key_file)
@@ -329,9 +329,13 @@ async def test_no_secret_reaches_histories_search_attributes_logs_audit_ledger_o
     assert moab.mws.requests, "the worker authenticated to MWS"
     assert ledger.usage_records(jobs["local-env"]), "records were signed with the key"
 
+    # The digest of a job's spec travels only inside payloads: finding it proves the scan reads them. The canary
+    # (in the script) proves it reads the ledger, and that the script itself never travels through Temporal.
+    env_spec = ledger.job(jobs["local-env"]).raw_spec  # type: ignore[union-attr]
+    assert spec_digest(env_spec).encode() in artifacts[f"history of {jobs['local-env']}"]
     canary_seen = scan(artifacts, {"canary": canary.encode()})
-    assert f"canary found in history of {jobs['local-env']}" in canary_seen, canary_seen
     assert any("ledger" in where for where in canary_seen), canary_seen
+    assert not any("history" in where for where in canary_seen), canary_seen
     leaks = scan(artifacts, secret_forms(secrets, key_file))
     print(
         f"scanned {len(artifacts)} artifacts, {sum(map(len, artifacts.values())):,} bytes, "

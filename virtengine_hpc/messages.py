@@ -8,17 +8,95 @@ renaming one is not (replay tests in ``tests/histories`` catch it).
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import BaseModel, Field, model_validator
 
 from activities.schedulers.base import NativeStatus
-from virtengine_hpc.models import JobSpec, Model, UsageMetrics
+from virtengine_hpc.models import Address, Identifier, JobSpec, Model, Name, Resources, UsageMetrics
 from virtengine_hpc.states import JobState, LifecycleEvent
 
 JOB_WORKFLOW_NAME = "HPCJobWorkflow"
 PARKED = "parked"
 """``VeJobState`` of a job whose workflow waits for an operator (``virtengine-hpc jobs retry JOB``)."""
+
+# ---- payload budget ---------------------------------------------------------------------------------------------
+# The most bytes each message may take once the pydantic data converter has serialized it (docs/architecture.md,
+# "What travels through Temporal"). None of these messages holds a field whose size the tenant controls: the
+# script, the rendered body, the environment and the template parameters stay on chain and are read there by the
+# activities that need them. tests/test_payloads.py measures every payload of real runs against these figures.
+PAYLOAD_BUDGET: dict[str, int] = {
+    "workflow input": 8 * 1024,
+    "workflow result": 2 * 1024,
+    "route_job": 4 * 1024,
+    "submit_job": 4 * 1024,
+    "find_job": 1024,
+    "watch_job": 4 * 1024,
+    "report_transition": 4 * 1024,
+    "cancel_job": 2 * 1024,
+    "report_usage": 4 * 1024,
+    "recover_job": 2 * 1024,
+    "park_job": 4 * 1024,
+}
+"""Bytes per serialized payload: the job workflow's input (also what continue-as-new carries) and result, and per
+activity the most its input and its result may each take."""
+WORKFLOW_INPUT_BUDGET = PAYLOAD_BUDGET["workflow input"]
+"""The poller refuses a job whose workflow input would be larger (only provider settings could make it so)."""
+
+
+class JobRef(Model):
+    """What the workflow and its activities carry of a job: its ids and what it asks for, never its program.
+
+    The script, template parameters and environment are the tenant's and may be large (a 1 MiB script of control
+    characters is 6 MiB of JSON); they stay on chain, and ``route_job`` and ``submit_job`` read them there by
+    ``job_id``, checking ``spec_sha256``. Every field here has a small bound, so a workflow input or an activity
+    input is a few hundred bytes whatever the tenant sent.
+
+    Histories recorded by v0.2.0 and earlier carry the whole ``JobSpec`` where a ``JobRef`` now stands: it is read
+    as its reference (the tenant's fields dropped, no digest), so those workflows replay and go on.
+    """
+
+    job_id: Identifier
+    tenant: Address
+    provider: Address
+    offering_id: Identifier
+    cluster_id: Identifier | None = None
+    name: Name = "job"
+    partition: Name | None = None
+    job_class: Name = "standard"
+    resources: Resources = Field(default_factory=Resources)
+    walltime_seconds: int = Field(3600, ge=60, le=90 * 86400)
+    template_id: Identifier | None = None
+    spec_sha256: str | None = Field(
+        None,
+        pattern=r"^[0-9a-f]{64}$",
+        description="Digest of the spec the poller accepted (models.spec_digest); None only in histories "
+        "recorded by v0.2.0 and earlier.",
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _from_spec(cls, data: Any) -> Any:
+        if isinstance(data, JobSpec):
+            data = data.model_dump()
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if k not in _SPEC_ONLY}
+        return data
+
+    @classmethod
+    def of(cls, spec: JobSpec, digest: str | None) -> JobRef:
+        return cls.model_validate({**spec.model_dump(), "spec_sha256": digest})
+
+
+_SPEC_ONLY = frozenset(JobSpec.model_fields) - frozenset(JobRef.model_fields)
+"""The spec's fields a reference leaves on chain: the tenant's program, parameters, environment, directory, price."""
+
+
+def _without(data: Any, *old: str) -> Any:
+    """Drop fields that earlier releases sent and this one no longer reads, so their payloads still load."""
+    if isinstance(data, dict):
+        return {k: v for k, v in data.items() if k not in old}
+    return data
 
 
 class RetrySettings(Model):
@@ -132,7 +210,7 @@ class Recovery(Model):
 
 
 class JobWorkflowInput(Model):
-    job: JobSpec
+    job: JobRef
     cluster_id: str = Field(description="The cluster this worker serves (its task queue).")
     provider: str
     settings: JobSettings = Field(default_factory=JobSettings)
@@ -184,7 +262,7 @@ class RetryRequest(Model):
 
 
 class RouteRequest(Model):
-    job: JobSpec
+    job: JobRef
     cluster_id: str
     workflow_id: str
 
@@ -211,18 +289,27 @@ class RouteOutcome(Model):
     is_fallback: bool = False
     violations: list[Violation] = Field(default_factory=list)
     partition: str | None = None
-    body: str = Field("", description="The job's program (script or rendered template).")
-    exclusive: bool = Field(False, description="The job's template asks for whole nodes (exclusive_nodes).")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _old(cls, data: Any) -> Any:
+        # Up to v0.2.0 the outcome carried the rendered body; submit_job renders it now, where it submits.
+        return _without(data, "body", "exclusive")
 
 
 class SubmitInput(Model):
+    """Submit a job: ``submit_job`` reads its spec from chain, checks the digest and renders the body itself."""
+
     workflow_id: str
-    job: JobSpec
+    job: JobRef
     cluster_id: str
     partition: str | None = None
-    body: str
     max_attempts: int = 4
-    exclusive: bool = False
+
+    @model_validator(mode="before")
+    @classmethod
+    def _old(cls, data: Any) -> Any:
+        return _without(data, "body", "exclusive")
 
 
 class SubmitOutput(Model):
@@ -294,7 +381,9 @@ class CancelInput(Model):
 
 
 class UsageInput(Model):
-    job: JobSpec
+    job_id: str
+    tenant: str
+    provider: str
     cluster_id: str
     scheduler_job_id: str
     sequence: int
@@ -308,6 +397,21 @@ class UsageInput(Model):
         description="Close with the last reading when the scheduler has no final accounting (deadline, vanished).",
     )
     max_attempts: int = 0
+    storage_gb: int = Field(
+        0, ge=0, description="The storage the provider accepted for the job (billed for as long as it ran)."
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _old(cls, data: Any) -> Any:
+        # Up to v0.2.0 the input carried the whole job spec; a record needs only these four of its fields.
+        if isinstance(data, dict) and "job" in data:
+            job = data["job"]
+            spec = job.model_dump() if isinstance(job, BaseModel) else job
+            rest = {k: v for k, v in data.items() if k != "job"}
+            storage = (spec.get("resources") or {}).get("storage_gb", 0)
+            return {**rest, **{k: spec[k] for k in ("job_id", "tenant", "provider")}, "storage_gb": storage}
+        return data
 
 
 class ParkInput(Model):

@@ -7,7 +7,10 @@ Every string a tenant controls is validated here against a strict pattern before
 
 from __future__ import annotations
 
+import hashlib
+import json
 import re
+from collections.abc import Mapping
 from datetime import datetime
 from decimal import Decimal
 from typing import Annotated, Any
@@ -18,6 +21,10 @@ from virtengine_hpc.states import JobState
 
 MAX_SCRIPT_BYTES = 1024 * 1024
 MAX_ENV_VALUE = 4096
+MAX_ENV_ENTRIES = 64
+"""Environment variables a job may set (each name at most 128 characters, each value at most ``MAX_ENV_VALUE``)."""
+MAX_TEMPLATE_PARAMETERS = 64
+"""Template parameters a job may give (each string value at most ``MAX_ENV_VALUE`` characters)."""
 
 _ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
@@ -119,6 +126,8 @@ class JobSpec(Model):
     @field_validator("environment")
     @classmethod
     def _env_ok(cls, value: dict[str, str]) -> dict[str, str]:
+        if len(value) > MAX_ENV_ENTRIES:
+            raise ValueError(f"{len(value)} environment variables; at most {MAX_ENV_ENTRIES} are allowed")
         for key, val in value.items():
             if not _ENV_KEY_RE.fullmatch(key):
                 raise ValueError(f"environment name {key[:80]!r} must match {_ENV_KEY_RE.pattern}")
@@ -131,6 +140,10 @@ class JobSpec(Model):
     @field_validator("template_parameters")
     @classmethod
     def _params_ok(cls, value: dict[str, Any]) -> dict[str, Any]:
+        if len(value) > MAX_TEMPLATE_PARAMETERS:
+            raise ValueError(
+                f"{len(value)} template parameters; at most {MAX_TEMPLATE_PARAMETERS} are allowed"
+            )
         for key, val in value.items():
             if isinstance(val, str) and ("\x00" in val or len(val) > MAX_ENV_VALUE):
                 raise ValueError(f"template parameter {key!r} has a NUL byte or is too long")
@@ -141,6 +154,18 @@ class JobSpec(Model):
         if (self.script is None) == (self.template_id is None):
             raise ValueError("exactly one of script or template_id must be given")
         return self
+
+
+def spec_digest(raw_spec: Mapping[str, Any]) -> str:
+    """Hex SHA-256 of a job spec as the chain holds it, in canonical JSON (sorted keys, no spaces, UTF-8).
+
+    The poller records it when it accepts a job; the activities that read the spec back from the chain (routing,
+    submission) refuse one whose digest differs, so the program submitted is the one that was accepted. It is
+    taken over the tenant's document, not over our model of it, so a later release that adds a field with a
+    default still finds the same digest for a job accepted before.
+    """
+    text = json.dumps(raw_spec, sort_keys=True, separators=(",", ":"), ensure_ascii=False, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()
 
 
 class Partition(Model):

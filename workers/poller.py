@@ -38,8 +38,15 @@ from activities.audit import AuditLog
 from activities.chain.client import ChainClient, ChainJob, StatusReport
 from virtengine_hpc.config import Config
 from virtengine_hpc.errors import HPCError
-from virtengine_hpc.messages import JOB_WORKFLOW_NAME, CancelRequest, JobSettings, JobWorkflowInput
-from virtengine_hpc.models import JobSpec
+from virtengine_hpc.messages import (
+    JOB_WORKFLOW_NAME,
+    WORKFLOW_INPUT_BUDGET,
+    CancelRequest,
+    JobRef,
+    JobSettings,
+    JobWorkflowInput,
+)
+from virtengine_hpc.models import JobSpec, spec_digest
 from virtengine_hpc.states import JobState
 from workers.metrics import WorkerMetrics
 from workers.reconciler import Backoff, Reconciler
@@ -189,22 +196,15 @@ class ChainPoller:
         self._set_gauges(len(set(seen) - running - set(stats.started) - set(stats.recovered)), free)
 
     async def _start(self, chain_job: ChainJob, stats: PollStats) -> bool:
-        try:
-            spec = JobSpec.model_validate(chain_job.raw_spec)
-        except PydanticValidationError as exc:
-            await self._reject(chain_job, _summarize(exc), stats)
+        inp = await self._accept(chain_job, stats)
+        if inp is None:
             return False
-        if spec.job_id != chain_job.job_id:
-            await self._reject(chain_job, f"spec job_id {spec.job_id!r} differs from the chain's", stats)
-            return False
-        inp = JobWorkflowInput(
-            job=spec, cluster_id=self.cluster_id, provider=self.provider, settings=self.settings
-        )
+        job_id = inp.job.job_id
         try:
             await self.client.start_workflow(
                 JOB_WORKFLOW_NAME,
                 inp,
-                id=spec.job_id,
+                id=job_id,
                 task_queue=self.task_queue,
                 id_reuse_policy=WorkflowIDReusePolicy.REJECT_DUPLICATE,
                 id_conflict_policy=WorkflowIDConflictPolicy.FAIL,
@@ -213,14 +213,47 @@ class ChainPoller:
         except WorkflowAlreadyStartedError:
             await self._already_started(chain_job, stats)
             return False
-        self._recent[spec.job_id] = time.monotonic()
-        stats.started.append(spec.job_id)
+        except RPCError as exc:
+            if not _payload_refused(exc):
+                raise  # not about this job's size: _try_start holds the job or ends the round
+            await self._reject(chain_job, f"Temporal refused its workflow input: {exc.message}", stats)
+            return False
+        self._recent[job_id] = time.monotonic()
+        stats.started.append(job_id)
         log.info(
             "started workflow for job %s",
-            spec.job_id,
-            extra={"job_id": spec.job_id, "workflow_id": spec.job_id, "cluster_id": self.cluster_id},
+            job_id,
+            extra={"job_id": job_id, "workflow_id": job_id, "cluster_id": self.cluster_id},
         )
         return True
+
+    async def _accept(self, chain_job: ChainJob, stats: PollStats) -> JobWorkflowInput | None:
+        """The workflow input of a job, or None when the job is refused (failed on chain with the reason).
+
+        The input carries the job's reference and the digest of its spec, never the script, parameters or
+        environment (the activities read those from the chain), so its size does not depend on the tenant;
+        the budget check guards what the provider adds (settings).
+        """
+        try:
+            spec = JobSpec.model_validate(chain_job.raw_spec)
+        except PydanticValidationError as exc:
+            await self._reject(chain_job, _summarize(exc), stats)
+            return None
+        if spec.job_id != chain_job.job_id:
+            await self._reject(chain_job, f"spec job_id {spec.job_id!r} differs from the chain's", stats)
+            return None
+        inp = JobWorkflowInput(
+            job=JobRef.of(spec, spec_digest(chain_job.raw_spec)),
+            cluster_id=self.cluster_id,
+            provider=self.provider,
+            settings=self.settings,
+        )
+        size = self.client.data_converter.payload_converter.to_payloads([inp])[0].ByteSize()
+        if size > WORKFLOW_INPUT_BUDGET:
+            reason = f"its workflow input is {size} bytes, over the budget of {WORKFLOW_INPUT_BUDGET}"
+            await self._reject(chain_job, reason, stats)
+            return None
+        return inp
 
     async def _reject(self, chain_job: ChainJob, reason: str, stats: PollStats) -> None:
         message = f"invalid job: {reason}"[:1024]
@@ -346,6 +379,14 @@ class ChainPoller:
             details={"reason": "cancelled before it started"},
         )
         return True
+
+
+def _payload_refused(exc: RPCError) -> bool:
+    """True when Temporal refused a start for the size of its input (this job's), not for its own trouble."""
+    too_large = ("size exceeds limit", "larger than max")
+    return exc.status in (RPCStatusCode.INVALID_ARGUMENT, RPCStatusCode.RESOURCE_EXHAUSTED) and any(
+        text in exc.message.lower() for text in too_large
+    )
 
 
 def _summarize(exc: PydanticValidationError) -> str:

@@ -389,9 +389,7 @@ class HPCJobWorkflow:
                     job=self.job,
                     cluster_id=self.c.cluster_id,
                     partition=outcome.partition,
-                    body=outcome.body,
                     max_attempts=self.settings.retry.max_retries + 1,
-                    exclusive=outcome.exclusive,
                 ),
                 task_queue=self.c.task_queue,
                 start_to_close_timeout=timedelta(seconds=300),
@@ -737,7 +735,10 @@ class HPCJobWorkflow:
         assert self.c.scheduler_job_id is not None
         unlimited = final or self.settings.retry_on_failure
         return UsageInput(
-            job=self.job,
+            job_id=self.job.job_id,
+            tenant=self.job.tenant,
+            provider=self.job.provider,
+            storage_gb=self.job.resources.storage_gb,
             cluster_id=self.c.cluster_id,
             scheduler_job_id=self.c.scheduler_job_id,
             sequence=self.c.next_sequence,
