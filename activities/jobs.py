@@ -49,7 +49,15 @@ from virtengine_hpc.messages import (
     WatchInput,
     WatchOutput,
 )
-from virtengine_hpc.models import Cluster, JobSpec, PricedQueue, UsageMetrics, UsageRecord, spec_digest
+from virtengine_hpc.models import (
+    Cluster,
+    JobSpec,
+    PricedQueue,
+    UsageMetrics,
+    UsageRecord,
+    accept_spec,
+    spec_digest,
+)
 from virtengine_hpc.signing import Signer
 from virtengine_hpc.states import JobState
 from virtengine_hpc.usage import diff_metrics, normalize_metrics, record_id, sign_record, sum_metrics
@@ -197,6 +205,9 @@ class JobActivities:
             )
         return queue
 
+    def _default_walltime(self) -> float:
+        return self.config.hpc.job_service.job_timeout_default.total_seconds()
+
     async def job_spec(self, ref: JobRef) -> JobSpec:
         """The job's spec as the chain holds it, and the one the poller accepted (same digest).
 
@@ -211,7 +222,7 @@ class JobActivities:
                 f"the spec of job {ref.job_id} on chain is not the one accepted for it (its digest differs)"
             )
         try:
-            spec = JobSpec.model_validate(found.raw_spec)
+            spec = accept_spec(found.raw_spec, self._default_walltime())
         except PydanticValidationError as exc:
             raise ValidationError(f"job {ref.job_id} has an invalid spec: {exc.errors()[0]['msg']}") from None
         if spec.job_id != ref.job_id:

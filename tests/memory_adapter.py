@@ -66,6 +66,7 @@ class MemoryAdapter(SchedulerAdapter):
     crash_after_submit: set[str] = field(default_factory=set)
     submit_delay: float = 0.0
     partitions: dict[str, str | None] = field(default_factory=dict)  # workflow id -> partition it was sent to
+    walltimes: dict[str, int] = field(default_factory=dict)  # workflow id -> walltime it was submitted with
     exclusive: dict[str, bool] = field(default_factory=dict)  # workflow id -> asked for whole nodes
     # Seconds on the scheduler's clock, and the wall-clock time it corresponds to (a time-skipping test moves
     # both with the test server's clock).
@@ -89,6 +90,7 @@ class MemoryAdapter(SchedulerAdapter):
         script = self.scripts.get(request.workflow_id, self.default)
         self.jobs[job_id] = _Job(request.workflow_id, self.clock(), script)
         self.partitions[request.workflow_id] = request.partition
+        self.walltimes[request.workflow_id] = request.job.walltime_seconds
         self.exclusive[request.workflow_id] = request.exclusive
         if request.workflow_id in self.crash_after_submit:
             self.crash_after_submit.discard(request.workflow_id)

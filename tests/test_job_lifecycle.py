@@ -243,21 +243,26 @@ async def test_a_routing_step_that_fails_for_good_fails_the_job_on_chain(
 # ---- cancels that fail -------------------------------------------------------------------------------------------
 
 
-async def test_a_failing_cancel_backs_off_instead_of_looping(faulty: Pipeline) -> None:
-    sched(faulty).default = Script([(0, Q), (0.2, R), (600, C)])
-    sched(faulty).cancel_error = SchedulerUnavailable("Unable to contact slurm controller")
-    job_id = faulty.submit()
-    await wait_for(faulty, job_id, lambda v: v.state == R)
-    await faulty.handle(job_id).execute_update(
-        "request_cancel", {"reason": "tenant"}, result_type=JobStatusView
-    )
-    await asyncio.sleep(8.0)
-    attempts = list(sched(faulty).cancel_attempts)
-    # Three attempts per round (max_retries 2), rounds 0.5 s, 1 s, 2 s, 4 s apart: at most 4 rounds in 8 s.
-    assert 3 <= len(attempts) <= 12, f"{len(attempts)} cancel attempts in 8 s"
-    sched(faulty).cancel_error = None
-    result = await asyncio.wait_for(faulty.handle(job_id).result(), 60)
-    assert result.state == CANCELLED
+async def test_a_failing_cancel_backs_off_instead_of_looping(
+    client: Client, tmp_path: Path, key_path: Path, task_queue: str
+) -> None:
+    config = new_config(tmp_path, retry={"max_backoff": "3s"})
+    scheduler = StubbornScheduler(default=Script([(0, Q), (0.2, R), (600, C)]))
+    scheduler.cancel_error = SchedulerUnavailable("Unable to contact slurm controller")
+    async with running_pipeline(client, config, key_path, scheduler, task_queue) as p:
+        job_id = p.submit()
+        await wait_for(p, job_id, lambda v: v.state == R)
+        await p.handle(job_id).execute_update(
+            "request_cancel", {"reason": "tenant"}, result_type=JobStatusView
+        )
+        await asyncio.sleep(12.0)
+        attempts = len(scheduler.cancel_attempts)
+        # Rounds of three attempts (max_retries 2), then pauses of 3 s and 6 s: three rounds at most in 12 s
+        # (without the backoff a round follows the last at once: five or more).
+        assert 3 <= attempts <= 9, f"{attempts} cancel attempts in 12 s"
+        scheduler.cancel_error = None
+        result = await asyncio.wait_for(p.handle(job_id).result(), 60)
+        assert result.state == CANCELLED
 
 
 async def test_a_deadline_cancel_that_fails_backs_off_too(
@@ -420,6 +425,19 @@ async def test_walltime_excludes_suspended_and_requeued_time(
         )
         assert results[overrun].state == TIMEOUT and "walltime" in results[overrun].message
         assert S in p.states_of(suspended)
+
+
+async def test_a_job_that_names_no_walltime_gets_job_timeout_default(
+    client: Client, tmp_path: Path, key_path: Path, task_queue: str
+) -> None:
+    config = new_config(tmp_path, job_service={"job_timeout_default": "3h"})
+    scheduler = MemoryAdapter(default=Script([(0, Q), (0.2, R), (1, C)], exit_code=0))
+    async with running_pipeline(client, config, key_path, scheduler, task_queue) as p:
+        unnamed = p.submit(walltime_seconds=None, max_price="1000")  # its budget must cover 3 h
+        named = p.submit(walltime_seconds=600)
+        results = await p.run_until_done([unnamed, named])
+        assert results[unnamed].state == results[named].state == C, results[unnamed].message
+        assert scheduler.walltimes == {unnamed: 3 * 3600, named: 600}
 
 
 async def test_a_long_queue_is_not_a_timeout_unless_max_queue_wait_says_so(

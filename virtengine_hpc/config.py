@@ -123,7 +123,9 @@ class JobServiceConfig(Section):
 
     job_poll_interval: Duration = Field(timedelta(seconds=15), description="How often the chain is polled.")
     job_timeout_default: Duration = Field(
-        timedelta(hours=24), description="Longest a job may take end to end when its own walltime is unknown."
+        timedelta(hours=24),
+        description="The walltime of a job whose spec names none (the longest it may run). It does not limit how "
+        "long a job waits in the queue: that is max_queue_wait.",
     )
     max_concurrent_jobs: int = Field(
         100, ge=1, le=100_000, description="Jobs in flight at once; the rest wait."

@@ -156,6 +156,18 @@ class JobSpec(Model):
         return self
 
 
+def accept_spec(raw_spec: Mapping[str, Any], default_walltime_seconds: float | None = None) -> JobSpec:
+    """The job a provider accepts from a chain spec: a spec that names no walltime gets the provider's
+    ``hpc.job_service.job_timeout_default`` (within the model's bounds) instead of the model's own default.
+
+    Every reader of a chain spec (poller, routing, submission, reconciler) goes through here, so they all agree.
+    """
+    if default_walltime_seconds is not None and raw_spec.get("walltime_seconds") is None:
+        walltime = int(min(max(default_walltime_seconds, 60), 90 * 86400))
+        raw_spec = {**raw_spec, "walltime_seconds": walltime}
+    return JobSpec.model_validate(raw_spec)
+
+
 def spec_digest(raw_spec: Mapping[str, Any]) -> str:
     """Hex SHA-256 of a job spec as the chain holds it, in canonical JSON (sorted keys, no spaces, UTF-8).
 

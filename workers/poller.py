@@ -46,7 +46,7 @@ from virtengine_hpc.messages import (
     JobSettings,
     JobWorkflowInput,
 )
-from virtengine_hpc.models import JobSpec, spec_digest
+from virtengine_hpc.models import accept_spec, spec_digest
 from virtengine_hpc.states import JobState
 from workers.metrics import WorkerMetrics
 from workers.reconciler import Backoff, Reconciler
@@ -235,7 +235,9 @@ class ChainPoller:
         the budget check guards what the provider adds (settings).
         """
         try:
-            spec = JobSpec.model_validate(chain_job.raw_spec)
+            spec = accept_spec(
+                chain_job.raw_spec, self.config.hpc.job_service.job_timeout_default.total_seconds()
+            )
         except PydanticValidationError as exc:
             await self._reject(chain_job, _summarize(exc), stats)
             return None

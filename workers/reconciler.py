@@ -42,8 +42,8 @@ from activities.audit import AuditLog
 from activities.chain.client import ChainClient, ChainJob
 from virtengine_hpc.config import Config
 from virtengine_hpc.errors import HPCError
-from virtengine_hpc.messages import JOB_WORKFLOW_NAME, PARKED, JobSettings, JobWorkflowInput, Recovery
-from virtengine_hpc.models import JobSpec
+from virtengine_hpc.messages import JOB_WORKFLOW_NAME, PARKED, JobRef, JobSettings, JobWorkflowInput, Recovery
+from virtengine_hpc.models import accept_spec, spec_digest
 from virtengine_hpc.states import JobState
 from workers.metrics import WorkerMetrics
 from workflows.hpc_job import SA_CLUSTER, SA_SCHEDULER_JOB, SA_STATE, initial_search_attributes
@@ -133,6 +133,7 @@ class Reconciler:
         self.cluster_id = config.hpc.cluster_id
         self.provider = config.provider.address
         self.interval = config.hpc.job_service.reconcile_interval.total_seconds()
+        self.default_walltime = config.hpc.job_service.job_timeout_default.total_seconds()
         self.backoff = Backoff(self.interval, max(MAX_BACKOFF_SECONDS, self.interval), clock)
         self.rounds = 0  # rounds completed (tests wait on it)
 
@@ -244,12 +245,12 @@ class Reconciler:
             return False
         recovery = self._recovery(current, closed)
         try:
-            spec = JobSpec.model_validate(current.raw_spec)
+            spec = accept_spec(current.raw_spec, self.default_walltime)
         except PydanticValidationError as exc:
             self._failed(current, recovery, f"its spec does not validate ({exc.error_count()} errors)", stats)
             return False
         inp = JobWorkflowInput(
-            job=spec,
+            job=JobRef.of(spec, spec_digest(current.raw_spec)),
             cluster_id=self.cluster_id,
             provider=self.provider,
             settings=self.settings,

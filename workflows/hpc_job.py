@@ -665,7 +665,7 @@ class HPCJobWorkflow:
                 old_state=old,
                 new_state=new,
                 event=event,
-                message=message,
+                message=message[:1024] if self.v2 else message,
                 exit_code=self.c.exit_code if new.final else None,
                 scheduler_job_id=self.c.scheduler_job_id,
                 tenant=self.job.tenant,
