@@ -205,9 +205,6 @@ class JobActivities:
             )
         return queue
 
-    def _default_walltime(self) -> float:
-        return self.config.hpc.job_service.job_timeout_default.total_seconds()
-
     async def job_spec(self, ref: JobRef) -> JobSpec:
         """The job's spec as the chain holds it, and the one the poller accepted (same digest).
 
@@ -222,7 +219,9 @@ class JobActivities:
                 f"the spec of job {ref.job_id} on chain is not the one accepted for it (its digest differs)"
             )
         try:
-            spec = accept_spec(found.raw_spec, self._default_walltime())
+            # The walltime the poller accepted (its ref) for a spec that names none, so the scheduler and the
+            # workflow's deadline agree even if this worker's job_timeout_default differs from the poller's.
+            spec = accept_spec(found.raw_spec, ref.walltime_seconds)
         except PydanticValidationError as exc:
             raise ValidationError(f"job {ref.job_id} has an invalid spec: {exc.errors()[0]['msg']}") from None
         if spec.job_id != ref.job_id:

@@ -19,7 +19,7 @@ from temporalio.client import Client, WorkflowExecutionStatus
 from temporalio.service import RPCStatusCode
 
 from tests.conftest import make_config
-from tests.memory_adapter import MemoryAdapter
+from tests.memory_adapter import MemoryAdapter, Script
 from tests.pipeline_harness import TENANT, Pipeline, running_pipeline
 from tests.poller_support import (
     FaultyClient,
@@ -119,16 +119,21 @@ async def test_a_job_cancelled_before_any_workflow_ran_is_cancelled_and_refunded
     config = make_config(
         tmp_path, hpc={"cluster_id": f"c-{uuid.uuid4().hex[:8]}", "job_service": {"max_concurrent_jobs": 1}}
     )
-    async with running_pipeline(client, config, key_path, MemoryAdapter(), task_queue) as p:
-        queue = idle_queue()
+    scheduler = MemoryAdapter(default=Script([(0, JobState.QUEUED), (600, JobState.RUNNING)]))
+    async with running_pipeline(client, config, key_path, scheduler, task_queue) as p:
         first, waiting = p.submit(), p.submit()
-        chain_poller = poller(p, client, queue)
+        chain_poller = poller(p, client, task_queue)
         assert (await chain_poller.poll_once()).started == [first]  # the only slot
         p.ledger.request_cancel(waiting)
         stats = await chain_poller.poll_once()
         assert stats.cancelled == [waiting] and stats.started == []
+        # Its workflow is started with the cancel in it (signal-with-start) and ends it on chain itself, so no
+        # other poller can start it behind a refund; it never reaches the scheduler.
+        results = await p.run_until_done([waiting])
+        assert results[waiting].state == JobState.CANCELLED
         assert p.ledger.job(waiting).state == JobState.CANCELLED  # type: ignore[union-attr]
         assert p.ledger.settlement(waiting) is not None
+        assert [job.workflow_id for job in scheduler.jobs.values()] == [first]
         assert [e["details"]["reason"] for e in p.audit_events("job_cancelled", waiting)] == [
             "cancelled before it started"
         ]

@@ -257,7 +257,28 @@ class ChainPoller:
             return None
         return inp
 
-    async def _reject(self, chain_job: ChainJob, reason: str, stats: PollStats) -> None:
+    async def _reject(
+        self, chain_job: ChainJob, reason: str, stats: PollStats, *, checked: bool = False
+    ) -> None:
+        """Fail a job that cannot be accepted, on chain with the reason (escrow refunded).
+
+        Unless ``checked``, a job whose workflow id already has a run (an earlier run closed and left it pending,
+        perhaps after it submitted) goes to the reconciler instead, whose run stops what that run may have left.
+        """
+        if not checked:
+            try:
+                found = await self.client.get_workflow_handle(chain_job.job_id).describe()
+            except RPCError as exc:
+                if exc.status != RPCStatusCode.NOT_FOUND:
+                    raise
+            else:
+                if (
+                    found.workflow_type == JOB_WORKFLOW_NAME
+                    and found.status != WorkflowExecutionStatus.RUNNING
+                ):
+                    if await self.reconciler.recover(chain_job, found):
+                        stats.recovered.append(chain_job.job_id)
+                    return
         message = f"invalid job: {reason}"[:1024]
         self.audit.record(
             "job_validation_failed",
@@ -301,6 +322,13 @@ class ChainPoller:
             if exc.status in _SERVICE_DOWN:
                 raise
             self._hold(job, exc, stats)
+            return
+        if found.workflow_type != JOB_WORKFLOW_NAME:
+            # A workflow of another kind (a node's, under an id of an earlier release) holds this id: the job
+            # could never get its own workflow, so it is refused instead of waiting for ever.
+            await self._reject(
+                job, f"its id is taken by a {found.workflow_type} workflow", stats, checked=True
+            )
             return
         if found.status == WorkflowExecutionStatus.RUNNING:
             return
@@ -371,9 +399,26 @@ class ChainPoller:
         if closed is not None or job.state != JobState.PENDING:
             await self.reconciler.recover(job, closed)
             return False
-        await self.chain.report_status(
-            StatusReport(job_id=job_id, state=JobState.CANCELLED, message="cancelled by the tenant")
-        )
+        # Start its workflow with the cancel already in it (signal-with-start): the workflow stays the only writer
+        # of the job's chain state, so another poller starting it at this moment cannot run a job the chain
+        # refunded; if a run exists by now, it gets the signal instead.
+        inp = await self._accept(job, PollStats())
+        if inp is None:
+            return True  # refused on chain (failed, refunded)
+        try:
+            await self.client.start_workflow(
+                JOB_WORKFLOW_NAME,
+                inp,
+                id=job_id,
+                task_queue=self.task_queue,
+                id_reuse_policy=WorkflowIDReusePolicy.REJECT_DUPLICATE,
+                id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,
+                search_attributes=initial_search_attributes(inp),
+                start_signal="cancel",
+                start_signal_args=[CancelRequest(reason="cancelled by the tenant")],
+            )
+        except WorkflowAlreadyStartedError:
+            return False  # a run closed meanwhile: the reconciler's case, next round
         self.audit.record(
             "job_cancelled",
             job_id=job_id,

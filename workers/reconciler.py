@@ -24,8 +24,9 @@ import contextlib
 import logging
 import re
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from pydantic import ValidationError as PydanticValidationError
 from temporalio.client import Client, WorkflowExecutionDescription, WorkflowExecutionStatus
@@ -55,6 +56,21 @@ PAGE_SIZE = 200
 MAX_BACKOFF_SECONDS = 3600.0
 """Longest wait between two recovery attempts for the same job."""
 _SAFE_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
+
+
+def recovery_ref(raw_spec: Mapping[str, Any], default_walltime: float) -> JobRef:
+    """The reference a recovery run carries. It only stops and settles the job (it never submits), so a spec that
+    today's rules refuse (accepted by an earlier release with looser limits) still gets one: its ids and what it
+    asked for are read leniently, the tenant's fields are dropped."""
+    try:
+        return JobRef.of(accept_spec(raw_spec, default_walltime), spec_digest(raw_spec))
+    except PydanticValidationError:
+        pass
+    try:
+        return JobRef.model_validate(dict(raw_spec))
+    except PydanticValidationError:
+        ids = ("job_id", "tenant", "provider", "offering_id", "cluster_id")
+        return JobRef.model_validate({k: raw_spec[k] for k in ids if raw_spec.get(k) is not None})
 
 
 class Backoff:
@@ -245,12 +261,12 @@ class Reconciler:
             return False
         recovery = self._recovery(current, closed)
         try:
-            spec = accept_spec(current.raw_spec, self.default_walltime)
+            ref = recovery_ref(current.raw_spec, self.default_walltime)
         except PydanticValidationError as exc:
-            self._failed(current, recovery, f"its spec does not validate ({exc.error_count()} errors)", stats)
+            self._failed(current, recovery, f"its ids do not validate ({exc.error_count()} errors)", stats)
             return False
         inp = JobWorkflowInput(
-            job=JobRef.of(spec, spec_digest(current.raw_spec)),
+            job=ref,
             cluster_id=self.cluster_id,
             provider=self.provider,
             settings=self.settings,
