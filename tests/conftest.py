@@ -84,6 +84,10 @@ def make_config(tmp_path: Path, **sections: Any) -> Config:
             "local": {"job_poll_interval": "200ms"},
         },
         "provider": {"address": "virtengine1provider0test"},
+        # Unversioned workers: one dev server serves the whole session on hundreds of fresh task queues, and a
+        # Worker Deployment version takes at most 100. Versioned workers (the default) are tested with a
+        # deployment of their own (tests/test_upgrades.py, tests/test_production_deploys.py).
+        "temporal": {"deployment_name": None},
     }
     for section, values in sections.items():
         data[section] = _deep_merge(data.get(section, {}), values)

@@ -269,7 +269,11 @@ class Provider:
                         "job_service": {"state_store_path": str(tmp_path / "state")},
                         "audit": {"log_path": str(tmp_path / "audit.log")},
                     },
-                    "temporal": {"address": temporal_address, "task_queue": self.task_queue_prefix},
+                    "temporal": {
+                        "address": temporal_address,
+                        "task_queue": self.task_queue_prefix,
+                        "deployment_name": None,  # unversioned, as in tests/conftest.py's make_config
+                    },
                     "provider": {"address": E2E_PROVIDER},
                     "nodes": {
                         "listen_port": self.port,

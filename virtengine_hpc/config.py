@@ -14,6 +14,7 @@ code reads configuration; workflows get what they need in their input.
 
 from __future__ import annotations
 
+import importlib.metadata
 import math
 import os
 import re
@@ -553,6 +554,14 @@ class RoutingConfig(Section):
     )
 
 
+def package_version() -> str:
+    """The installed virtengine-hpc package's version (pyproject.toml): the build id unless one is configured."""
+    try:
+        return importlib.metadata.version("virtengine-hpc")
+    except importlib.metadata.PackageNotFoundError:  # run from a source tree that was never installed
+        return "0+unknown"
+
+
 class TemporalConfig(Section):
     """Where the workers find Temporal. An API key, if any, comes from the variable named in api_key_env."""
 
@@ -587,23 +596,37 @@ class TemporalConfig(Section):
         "to another worker (systemd's TimeoutStopSec must be longer).",
     )
     deployment_name: str | None = Field(
-        None,
+        "virtengine-hpc",
         pattern=r"^[A-Za-z0-9._-]{1,200}$",
-        description="Worker Deployment name for worker versioning (with build_id); unset: unversioned workers.",
+        description="Worker Deployment the workers belong to (worker versioning, docs/deploys.md): each build is "
+        "a version of it, a job stays on the build that started it and moves to the current build at its next "
+        "continue-as-new. null: unversioned workers (upgrades then rely on patching alone).",
     )
     build_id: str | None = Field(
         None,
         pattern=r"^[A-Za-z0-9._+-]{1,200}$",
-        description="This release's build id (e.g. 0.2.0 or a git hash): the worker's deployment version when "
-        "deployment_name is set, and a label of its metrics and logs.",
+        description="This build's id: its version in the Worker Deployment, and a label of its metrics, logs and "
+        "audit records. Unset: the installed virtengine-hpc package's version. Workers whose workflow code "
+        "differs must never share a build id.",
     )
+    promote_first_build: bool = Field(
+        True,
+        description="When the Worker Deployment has no current version yet (a first install), a starting worker "
+        "makes its own build current, so jobs run at once. Every later build is made current by the operator "
+        "(docs/deploys.md).",
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _build_id_from_the_package(cls, data: Any) -> Any:
+        if isinstance(data, Mapping) and data.get("build_id") is None:
+            return {**data, "build_id": package_version()}
+        return data
 
     @model_validator(mode="after")
     def _client_cert_needs_key(self) -> TemporalConfig:
         if (self.tls_client_cert is None) != (self.tls_client_key is None):
             raise ValueError("temporal.tls_client_cert and temporal.tls_client_key go together (mutual TLS)")
-        if self.deployment_name and not self.build_id:
-            raise ValueError("temporal.deployment_name needs temporal.build_id (the version of this release)")
         return self
 
     @property

@@ -10,6 +10,7 @@ the settlement. The worker and the dev server keep running for inspection; ``mak
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -24,7 +25,7 @@ import yaml
 
 from activities.audit import read_events, verify_log
 from activities.chain.local_ledger import LocalLedger
-from virtengine_hpc.config import Config, load_config
+from virtengine_hpc.config import Config, load_config, package_version
 from virtengine_hpc.models import Cluster, Partition, PricedQueue, Pricing
 from virtengine_hpc.signing import Signer, public_key_b64, write_private_key
 from virtengine_hpc.states import JobState
@@ -62,7 +63,13 @@ def demo_config_data(base: Path, temporal_address: str) -> dict[str, Any]:
             "local": {"job_poll_interval": "1s", "max_parallel_jobs": 8},
         },
         "routing": {"enforcement_mode": "strict"},
-        "temporal": {"address": temporal_address, "task_queue": "virtengine-hpc-demo"},
+        "temporal": {
+            "address": temporal_address,
+            "task_queue": "virtengine-hpc-demo",
+            # A deployment per build: the demo's first worker makes its build current (promote_first_build),
+            # also when the dev server still holds the deployment of an earlier build's demo.
+            "deployment_name": "virtengine-hpc-demo-" + re.sub(r"[^A-Za-z0-9._-]", "-", package_version()),
+        },
         "provider": {"address": PROVIDER},
     }
 

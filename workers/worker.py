@@ -22,8 +22,7 @@ from datetime import timedelta
 from typing import Any, TypeVar
 
 from temporalio.client import Client
-from temporalio.common import VersioningBehavior
-from temporalio.worker import Worker, WorkerDeploymentConfig, WorkerDeploymentVersion
+from temporalio.worker import Worker
 
 from activities.audit import AuditLog
 from activities.chain.client import ChainClient
@@ -35,6 +34,7 @@ from virtengine_hpc.logging import setup_logging
 from workers.health import HealthServer, Probes
 from workers.metrics import MeteredAuditLog, MetricsSource, WorkerMetrics, keep_job_gauge_fresh, make_runtime
 from workers.poller import ChainPoller
+from workers.versioning import deployment_config, promote_first_build
 from workers.wiring import (
     WorkerDeps,
     anchor_signer,
@@ -67,23 +67,6 @@ def job_activities(acts: JobActivities) -> list[Callable[..., Any]]:
     ]
 
 
-def deployment_config(config: Config) -> WorkerDeploymentConfig | None:
-    """Worker versioning when ``temporal.deployment_name`` is set (docs/deploys.md).
-
-    Workflows default to auto-upgrade: a job that runs for days moves to the new build at its next workflow
-    task, which is safe because workflow changes go behind ``workflow.patched`` and CI replays the previous
-    release's histories. (Pinning would keep the old build's workers alive until the last old job ends.)
-    """
-    t = config.temporal
-    if not t.deployment_name or not t.build_id:
-        return None
-    return WorkerDeploymentConfig(
-        version=WorkerDeploymentVersion(deployment_name=t.deployment_name, build_id=t.build_id),
-        use_worker_versioning=True,
-        default_versioning_behavior=VersioningBehavior.AUTO_UPGRADE,
-    )
-
-
 def make_worker(
     client: Client, deps: WorkerDeps, *, queue: str | None = None, cluster_id: str | None = None
 ) -> Worker:
@@ -100,7 +83,7 @@ def make_worker(
         max_concurrent_workflow_tasks=100,
         sticky_queue_schedule_to_start_timeout=timedelta(seconds=3),
         graceful_shutdown_timeout=config.temporal.graceful_shutdown_timeout,
-        deployment_config=deployment_config(config),
+        deployment_config=deployment_config(config.temporal),
     )
 
 
@@ -190,6 +173,8 @@ class WorkerProcess:
             worker = make_worker(client, deps, cluster_id=cluster_id)
             self.workers[cluster_id] = worker
             self._worker_tasks[cluster_id] = asyncio.create_task(worker.run(), name=f"worker-{cluster_id}")
+        if config.temporal.promote_first_build and deployment_config(config.temporal) is not None:
+            self._side_tasks.append(asyncio.create_task(self._promote_first_build(client)))
         if self.with_poller:
             self.pollers = [
                 _poller(client, deps.chain, config, deps.audit, cluster_id, self.metrics)
@@ -220,6 +205,18 @@ class WorkerProcess:
                 },
             )
             log.info("worker for cluster %s on task queue %s", cluster_id, task_queue(config, cluster_id))
+
+    async def _promote_first_build(self, client: Client) -> None:
+        try:
+            await promote_first_build(client, self.config.temporal, stopping=lambda: self.stopping)
+        except Exception as exc:  # the workers serve on; jobs wait until an operator makes a build current
+            log.error(
+                "could not make build %s current on worker deployment %s (make it current with the temporal "
+                "CLI, docs/deploys.md): %s",
+                self.config.temporal.build_id,
+                self.config.temporal.deployment_name,
+                exc,
+            )
 
     def _probes(self, metrics: MetricsSource) -> Probes:
         client, deps = self.client, self.deps

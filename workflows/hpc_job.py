@@ -73,6 +73,9 @@ cancel``) is a provider cancel; a step that fails for good closes the job as fai
 workflow; cancel retries back off; a job whose final accounting or terminal report cannot be sent is parked for an
 operator; walltime counts only running time; a queue wait has no limit unless ``max_queue_wait`` is set; final
 accounting is sent even with usage reporting off. Decided once per run, so runs that began before it replay."""
+PATCH_UPGRADE_ON_CONTINUE_AS_NEW = "upgrade-on-continue-as-new"
+"""Since 0.3: a job is pinned to the build of the workers that started it; when another build becomes current, the
+job continues as new at its next step and the new run starts on that build, so old builds drain."""
 CANCEL_BACKOFF_CAP = timedelta(minutes=5)
 _DONE = object()
 """What ``_guarded`` returns for a step that ran to its end."""
@@ -197,9 +200,13 @@ class HPCJobWorkflow:
             await self._route_and_submit()
         while not self.c.state.final:
             await self._watch_once()
-            if not self.c.state.final and self._history_is_long():
+            if not self.c.state.final and (self._history_is_long() or self._new_build_is_current()):
                 await workflow.wait_condition(workflow.all_handlers_finished)
-                workflow.continue_as_new(self.inp.model_copy(update={"carried": self.c}))
+                # The next run starts on the deployment's current build (this one stays pinned to its own).
+                workflow.continue_as_new(
+                    self.inp.model_copy(update={"carried": self.c}),
+                    initial_versioning_behavior=workflow.ContinueAsNewVersioningBehavior.AUTO_UPGRADE,
+                )
 
     async def _drive_to_the_end(self) -> None:
         """Drive the job to a final state on chain, whatever happens on the way.
@@ -910,6 +917,12 @@ class HPCJobWorkflow:
         return (
             info.is_continue_as_new_suggested()
             or info.get_current_history_length() > self.settings.continue_as_new_after_events
+        )
+
+    def _new_build_is_current(self) -> bool:
+        """Another build of the workers became current: continue as new onto it (docs/deploys.md)."""
+        return workflow.info().is_target_worker_deployment_version_changed() and workflow.patched(
+            PATCH_UPGRADE_ON_CONTINUE_AS_NEW
         )
 
     def _retry(self, *, unlimited: bool = False) -> RetryPolicy:

@@ -61,6 +61,9 @@ _SCHEDULER_RETRY = RetryPolicy(
     non_retryable_error_types=["ValidationError", "SubmissionRejected", "JobNotFound", "ConfigError"],
 )
 _MIN_TIMER = timedelta(milliseconds=100)
+PATCH_UPGRADE_ON_CONTINUE_AS_NEW = "upgrade-on-continue-as-new"
+"""Since 0.3: a node's lifecycle is pinned to the build of the workers that started it; when another build becomes
+current, it continues as new at its next step and the new run starts on that build, so old builds drain."""
 Cause = Literal["heartbeat", "silence", "command", "start"]
 
 
@@ -140,7 +143,8 @@ class NodeWorkflow:
             await self._step()
             if self.c.state.final:
                 break
-            if self._history_full() and not self._commands and self._beat is None:
+            moving = self._history_full() or self._new_build_is_current()
+            if moving and not self._commands and self._beat is None:
                 # An update that arrives meanwhile waits for the loop: handle it first, never deadlock on it.
                 await workflow.wait_condition(
                     lambda: workflow.all_handlers_finished() or bool(self._commands)
@@ -149,7 +153,8 @@ class NodeWorkflow:
                     workflow.continue_as_new(
                         self.inp.model_copy(
                             update={"carried": self.c.model_copy(update={"runs": self.c.runs + 1})}
-                        )
+                        ),
+                        initial_versioning_behavior=workflow.ContinueAsNewVersioningBehavior.AUTO_UPGRADE,
                     )
                 continue
             await self._sleep_until_woken()
@@ -198,6 +203,12 @@ class NodeWorkflow:
         return (
             info.is_continue_as_new_suggested()
             or info.get_current_history_length() >= self.s.max_history_events
+        )
+
+    def _new_build_is_current(self) -> bool:
+        """Another build of the workers became current: continue as new onto it (docs/deploys.md)."""
+        return workflow.info().is_target_worker_deployment_version_changed() and workflow.patched(
+            PATCH_UPGRADE_ON_CONTINUE_AS_NEW
         )
 
     def _next_wake(self) -> datetime | None:
