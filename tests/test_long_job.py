@@ -40,8 +40,8 @@ from tests.conftest import binary, make_config
 from tests.memory_adapter import MemoryAdapter, Script
 from tests.pipeline_harness import OFFERING, TENANT, setup_ledger
 from virtengine_hpc.config import Config, Secrets
-from virtengine_hpc.messages import JobResult, JobSettings, JobWorkflowInput, WatchInput, WatchOutput
-from virtengine_hpc.models import JobSpec, UsageRecord
+from virtengine_hpc.messages import JobRef, JobResult, JobSettings, JobWorkflowInput, WatchInput, WatchOutput
+from virtengine_hpc.models import JobSpec, UsageRecord, spec_digest
 from virtengine_hpc.signing import Signer
 from virtengine_hpc.states import JobState
 from virtengine_hpc.usage import sum_metrics, verify_record
@@ -180,10 +180,14 @@ async def run_long_job(
         }
     )
     ledger.create_decision(job_id, config.hpc.cluster_id)
-    spec = JobSpec.model_validate(ledger.job(job_id).raw_spec)  # type: ignore[union-attr]
+    raw = ledger.job(job_id).raw_spec  # type: ignore[union-attr]
+    spec = JobSpec.model_validate(raw)
     settings = job_settings(config)
     inp = JobWorkflowInput(
-        job=spec, cluster_id=config.hpc.cluster_id, provider=spec.provider, settings=settings
+        job=JobRef.of(spec, spec_digest(raw)),
+        cluster_id=config.hpc.cluster_id,
+        provider=spec.provider,
+        settings=settings,
     )
     queue = f"tq-{uuid.uuid4().hex[:12]}"
     activities_here = [watch_job if a.__name__ == "watch_job" else a for a in job_activities(acts)]

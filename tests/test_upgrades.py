@@ -37,8 +37,8 @@ from tests.conftest import binary
 from tests.memory_adapter import MemoryAdapter, Script
 from tests.production_support import cluster_config, provider_ledger, submit, wait_result
 from virtengine_hpc.config import Config, Secrets, load_config, package_version
-from virtengine_hpc.messages import JOB_WORKFLOW_NAME, JobResult, JobWorkflowInput
-from virtengine_hpc.models import JobSpec
+from virtengine_hpc.messages import JOB_WORKFLOW_NAME, JobRef, JobResult, JobWorkflowInput
+from virtengine_hpc.models import JobSpec, spec_digest
 from virtengine_hpc.states import JobState
 from workers.poller import ChainPoller
 from workers.versioning import deployment_config, promote_first_build
@@ -210,10 +210,14 @@ async def start_job(client: Client, config: Config, ledger: LocalLedger, report_
     """A chain job, decided for the config's cluster, started as the poller would (with its own report
     interval)."""
     job_id = submit(ledger, config, decide=config.hpc.cluster_id)
-    spec = JobSpec.model_validate(ledger.job(job_id).raw_spec)  # type: ignore[union-attr]
+    raw = ledger.job(job_id).raw_spec  # type: ignore[union-attr]
+    spec = JobSpec.model_validate(raw)
     settings = job_settings(config).model_copy(update={"report_interval_seconds": report_interval})
     inp = JobWorkflowInput(
-        job=spec, cluster_id=config.hpc.cluster_id, provider=spec.provider, settings=settings
+        job=JobRef.of(spec, spec_digest(raw)),
+        cluster_id=config.hpc.cluster_id,
+        provider=spec.provider,
+        settings=settings,
     )
     await client.start_workflow(
         JOB_WORKFLOW_NAME,
