@@ -15,7 +15,6 @@ import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
-from decimal import Decimal
 from typing import TypeVar
 
 from pydantic import ValidationError as PydanticValidationError
@@ -49,10 +48,12 @@ from virtengine_hpc.messages import (
     WatchInput,
     WatchOutput,
 )
+from virtengine_hpc.metering import Reading, basis_of, meter, period_end
 from virtengine_hpc.models import (
     Cluster,
     JobSpec,
     PricedQueue,
+    Resources,
     UsageMetrics,
     UsageRecord,
     accept_spec,
@@ -60,10 +61,11 @@ from virtengine_hpc.models import (
 )
 from virtengine_hpc.signing import Signer
 from virtengine_hpc.states import JobState
-from virtengine_hpc.usage import diff_metrics, normalize_metrics, record_id, sign_record, sum_metrics
+from virtengine_hpc.usage import diff_metrics, record_id, sign_record, sum_metrics
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+_ASKED_CACHE = 20_000
 MAX_MESSAGE = 1024
 """A refusal's message is cut to this (the chain keeps as much): it may quote what the tenant sent."""
 
@@ -119,6 +121,8 @@ class JobActivities:
         self.batchers: dict[str, StatusBatcher] = {}
         # Usage records of concurrent activities go to the chain together, batch_size at a time.
         self.usage_batcher = UsageBatcher(chain, config.hpc.usage_reporting.batch_size)
+        # What each job asked for (its priced allocation's bound), read once from the chain per job.
+        self._asked: dict[str, Resources] = {}
 
     def adapter(self, cluster_id: str) -> SchedulerAdapter:
         try:
@@ -708,26 +712,55 @@ class JobActivities:
         )
         return record
 
+    async def _requested(self, request: UsageInput) -> Resources:
+        """What the job asked for, as the provider accepted it: the priced allocation's upper bound.
+
+        The input carries it (``resources``) or, from workflows that send only the job's storage, the chain's
+        spec of the job is read once per job (the spec the poller accepted; the tenant cannot change it). Storage
+        is always the provider-fixed ``storage_gb`` of the input.
+        """
+        asked = request.resources or self._asked.get(request.job_id)
+        if asked is None:
+            found = await self.chain.get_job(request.job_id)
+            if found is None:
+                raise ChainError(f"job {request.job_id} is not on chain: its allocation cannot be priced")
+            try:
+                asked = Resources.model_validate(found.raw_spec.get("resources") or {})
+            except PydanticValidationError as exc:
+                raise ValidationError(
+                    f"job {request.job_id} has an invalid spec on chain: {exc.errors()[0]['msg']}"
+                ) from None
+            if len(self._asked) >= _ASKED_CACHE:
+                self._asked.clear()
+            self._asked[request.job_id] = asked
+        return asked.model_copy(update={"storage_gb": request.storage_gb})
+
     async def _new_record(self, request: UsageInput, rid: str) -> UsageRecord:
         """A new reading of the job's cumulative usage, as a signed record of the difference to the last one."""
         adapter = self.adapter(request.cluster_id)
+        accounting: Accounting | None
         try:
             accounting = await adapter.usage(request.scheduler_job_id)
         except JobNotFound:
             if not request.accept_partial:
                 raise
-            accounting = Accounting(
-                scheduler_job_id=request.scheduler_job_id, metrics=request.previous_cumulative
-            )
-        if request.is_final and not accounting.final and not request.accept_partial:
+            accounting = None  # the last reading stands: this record adds nothing
+        if (
+            accounting is not None
+            and request.is_final
+            and not accounting.final
+            and not request.accept_partial
+        ):
             # Accounting lags behind the queue (sacct): try again shortly rather than sign a partial reading.
             raise SchedulerError("final accounting not available yet", transient=True)
-        cumulative = _provider_storage(normalize_metrics(accounting.metrics), request.storage_gb)
-        period_end = datetime.now(UTC)
-        if accounting.end_time is not None and request.is_final:
-            period_end = max(accounting.end_time, request.period_start)
-        period_end = max(period_end, request.period_start)
+        # Every allocation is priced as the provider accepted it, storage included, whatever the scheduler reports.
+        metered = meter(accounting.reading if accounting else Reading(), await self._requested(request))
+        cumulative = metered.metrics if accounting is not None else request.previous_cumulative
         metrics = diff_metrics(cumulative, request.previous_cumulative)
+        taken = accounting.reading.taken_at if accounting is not None else None
+        if accounting is not None and accounting.end_time is not None and request.is_final:
+            taken = accounting.end_time
+        end = period_end(request.period_start, metrics.wall_clock_seconds, taken or datetime.now(UTC))
         record = UsageRecord(
             record_id=rid,
             job_id=request.job_id,
@@ -737,21 +770,17 @@ class JobActivities:
             tenant=request.tenant,
             sequence=request.sequence,
             period_start=request.period_start,
-            period_end=period_end,
+            period_end=end,
             job_state=request.job_state,
             is_final=request.is_final,
             metrics=metrics,
             created_at=datetime.now(UTC),
             key_id=self.signer.key_id,
+            version=2,
+            allocation=metered.allocation,
+            basis=basis_of(metrics),
         )
         return sign_record(record, self.signer)
-
-
-def _provider_storage(metrics: UsageMetrics, storage_gb: int) -> UsageMetrics:
-    """Storage billed is what the provider accepted, the spec's ``storage_gb`` for as long as the job ran, never a
-    scheduler's reading: Slurm keeps it in the job's comment, which the job's owner can ``scontrol update``."""
-    hours = Decimal(storage_gb) * metrics.wall_clock_seconds / 3600
-    return normalize_metrics(UsageMetrics.model_validate({**metrics.model_dump(), "storage_gb_hours": hours}))
 
 
 def _add(previous: UsageMetrics, record: UsageRecord) -> UsageMetrics:

@@ -71,10 +71,11 @@ from activities.schedulers.base import SchedulerAdapter  # noqa: E402
 from virtengine_hpc.config import Config, Secrets, load_config  # noqa: E402
 from virtengine_hpc.errors import ChainUnavailable, HPCError  # noqa: E402
 from virtengine_hpc.messages import JobResult  # noqa: E402
-from virtengine_hpc.models import Cluster, Partition, PricedQueue, Pricing, UsageMetrics  # noqa: E402
+from virtengine_hpc.metering import meter  # noqa: E402
+from virtengine_hpc.models import Cluster, Partition, PricedQueue, Pricing, Resources, UsageMetrics  # noqa: E402
 from virtengine_hpc.signing import Signer, public_key_b64, write_private_key  # noqa: E402
 from virtengine_hpc.states import JobState  # noqa: E402
-from virtengine_hpc.usage import normalize_metrics, sum_metrics, verify_record  # noqa: E402
+from virtengine_hpc.usage import sum_metrics, verify_record  # noqa: E402
 from workflows.hpc_job import SEARCH_ATTRIBUTES  # noqa: E402
 
 TENANT = "virtengine1tenant0chaos"
@@ -864,7 +865,7 @@ class ChaosRun:
         except HPCError as exc:
             fail["records add up to the scheduler's accounting"].append(f"{job.job_id}: {exc}")
             return
-        final = normalize_metrics(accounting.metrics)
+        final = meter(accounting.reading, Resources(memory_mb_per_node=256)).metrics  # what every job asks
         if not accounting.final:
             fail["records add up to the scheduler's accounting"].append(f"{job.job_id}: accounting not final")
         differ = [

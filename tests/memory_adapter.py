@@ -16,7 +16,7 @@ from decimal import Decimal
 
 from activities.schedulers.base import Accounting, NativeStatus, SchedulerAdapter, SubmitRequest, SubmitResult
 from virtengine_hpc.errors import JobNotFound, SchedulerUnavailable, SubmissionRejected
-from virtengine_hpc.models import UsageMetrics
+from virtengine_hpc.metering import Reading
 from virtengine_hpc.states import JobState
 
 
@@ -160,11 +160,6 @@ class MemoryAdapter(SchedulerAdapter):
         return Accounting(
             scheduler_job_id=scheduler_job_id,
             final=state.final,
-            metrics=UsageMetrics(
-                wall_clock_seconds=seconds,
-                cpu_core_seconds=seconds * 2,
-                memory_gb_seconds=seconds / 2,
-                node_hours=seconds / 3600,
-            ),
+            reading=Reading(wall_clock_seconds=seconds, cpu_time_seconds=seconds * 2),
             end_time=self.wall() - timedelta(seconds=now - end) if state.final else None,
         )

@@ -32,7 +32,7 @@ from activities.attempts import LOST_ATTEMPTS, AttemptProgress, heartbeating
 from activities.audit import read_events
 from activities.chain.client import UsageSubmitResult
 from activities.chain.local_ledger import LocalLedger
-from activities.schedulers.base import SubmitRequest
+from activities.schedulers.base import Accounting, SubmitRequest
 from activities.schedulers.slurm.script import job_name
 from activities.schedulers.slurm.transports import LocalRunner, SSHRunner
 from tests import slurm_cluster as sc
@@ -42,11 +42,22 @@ from tests.pipeline_harness import TENANT, running_pipeline, setup_ledger
 from virtengine_hpc.config import Secrets
 from virtengine_hpc.errors import ChainUnavailable
 from virtengine_hpc.messages import SubmitInput, SubmitOutput, UsageInput, WatchInput
-from virtengine_hpc.models import JobSpec, UsageMetrics, UsageRecord
+from virtengine_hpc.metering import meter
+from virtengine_hpc.models import JobSpec, Resources, UsageMetrics, UsageRecord
 from virtengine_hpc.signing import Signer
 from virtengine_hpc.states import JobState
-from virtengine_hpc.usage import normalize_metrics, sum_metrics
+from virtengine_hpc.usage import sum_metrics
 from workers.wiring import build_worker_deps
+
+
+def metered(final: Accounting, resources: Resources) -> UsageMetrics:
+    """The scheduler's final reading as the records meter it (the one metering path)."""
+    return meter(final.reading, resources).metrics
+
+
+def asked(pipe: Any, job_id: str) -> Resources:
+    """What the job asked for, as the tenant submitted it on the ledger."""
+    return Resources.model_validate(pipe.ledger.job(job_id).raw_spec.get("resources") or {})
 
 
 def processes_with(marker: str) -> list[psutil.Process]:
@@ -430,7 +441,7 @@ async def test_a_usage_retry_after_a_lost_answer_carries_the_stored_record(
     assert results[job_id].state == JobState.COMPLETED, results[job_id].message
     records = pipe.ledger.usage_records(job_id)
     assert [r.sequence for r in records] == list(range(1, len(records) + 1)) and len(records) >= 3
-    assert sum_metrics([r.metrics for r in records]) == normalize_metrics(final.metrics)
+    assert sum_metrics([r.metrics for r in records]) == metered(final, asked(pipe, job_id))
     settlement = pipe.ledger.settlement(job_id)
     assert settlement is not None and settlement.charged + settlement.refunded == settlement.escrow
 
@@ -684,7 +695,7 @@ async def test_a_report_sent_by_a_lost_watch_attempt_is_not_reused_by_the_final_
     assert results[job_id].state == JobState.COMPLETED, results[job_id].message
     records = pipe.ledger.usage_records(job_id)
     assert [(r.sequence, r.is_final) for r in records] == [(1, False), (2, True)]
-    assert sum_metrics([r.metrics for r in records]) == normalize_metrics(final.metrics)
+    assert sum_metrics([r.metrics for r in records]) == metered(final, asked(pipe, job_id))
     assert results[job_id].final_record_id == records[-1].record_id
     assert pipe.ledger.settlement(job_id) is not None
 
@@ -764,6 +775,6 @@ async def test_a_final_report_whose_sequence_holds_a_period_record_follows_it(
         assert [(r.sequence, r.is_final) for r in records] == [(1, False), (2, True)]
         assert out.record_id == records[-1].record_id and out.charged is not None
         final = await adapter.usage(scheduler_job_id)
-        assert out.cumulative == sum_metrics([r.metrics for r in records]) == normalize_metrics(final.metrics)
+        assert out.cumulative == sum_metrics([r.metrics for r in records]) == metered(final, job.resources)
     finally:
         await deps.close()

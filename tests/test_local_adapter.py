@@ -15,6 +15,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
+from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +26,8 @@ from activities.schedulers import local_supervisor as sup
 from activities.schedulers.base import NativeStatus, SubmitRequest, registered
 from activities.schedulers.local import JOB_PATH, LocalAdapter, scheduler_job_id
 from virtengine_hpc.config import LocalSchedulerConfig
-from virtengine_hpc.errors import JobNotFound
+from virtengine_hpc.errors import JobNotFound, SubmissionRejected
+from virtengine_hpc.metering import GB, meter
 from virtengine_hpc.models import JobSpec, Resources
 from virtengine_hpc.states import FINAL_STATES, JobState
 
@@ -139,8 +141,8 @@ async def test_script_runs_to_completion_with_its_output(make_adapter: Callable[
     assert (jobdir / "job.sh").stat().st_mode & 0o777 == 0o700
 
     usage = await adapter.usage(result.scheduler_job_id)
-    assert usage.final and usage.metrics.wall_clock_seconds > 0
-    assert usage.metrics.network_bytes_in is None and usage.metrics.energy_joules is None
+    assert usage.final and usage.reading.wall_clock_seconds > 0
+    assert usage.reading.network_bytes_in is None and usage.reading.energy_joules is None
     assert await adapter.find("wf-ok") == result.scheduler_job_id
     assert await adapter.find("wf-never-submitted") is None
 
@@ -188,7 +190,7 @@ async def test_walltime_exceeded_is_timeout_even_when_sigterm_is_ignored(
     leader = int((adapter.job_dir(job_id) / "leader.pid").read_text())
     assert wait_gone(leader)
     usage = await adapter.usage(job_id)
-    assert usage.final and 1.9 <= usage.metrics.wall_clock_seconds < 6
+    assert usage.final and 1.9 <= usage.reading.wall_clock_seconds < 6
 
 
 # ---- cancel ------------------------------------------------------------------------------------------------
@@ -233,7 +235,7 @@ async def test_cancel_queued_job_never_runs_it(
     assert status.start_time is None
     assert not ran.exists()
     usage = await adapter.usage(second)
-    assert usage.final and usage.metrics.wall_clock_seconds == 0
+    assert usage.final and usage.reading.wall_clock_seconds == 0
     await adapter.cancel(first)
     assert (await wait_final(adapter, first, timeout=10)).state == JobState.CANCELLED
 
@@ -475,7 +477,7 @@ async def test_usage_follows_real_cpu_and_memory_and_never_goes_back(
     burner.write_text(BURNER)
     body = '"$PY" "$BURN" 96 1.5 > cpu1 &\n"$PY" "$BURN" 16 1.0 > cpu2\nwait\n'
     env = {"PY": sys.executable, "BURN": str(burner)}
-    resources = Resources(nodes=2, gpus_per_node=1, storage_gb=10)
+    resources = Resources(tasks_per_node=2, storage_gb=10)
     job_id = (
         await adapter.submit(request("wf-burn", body, environment=env, resources=resources))
     ).scheduler_job_id
@@ -487,26 +489,105 @@ async def test_usage_follows_real_cpu_and_memory_and_never_goes_back(
         if usage.final:
             break
         await asyncio.sleep(0.2)
-    final = readings[-1].metrics
-    running = [r.metrics for r in readings[:-1] if r.metrics.cpu_core_seconds > 0]
+    final = readings[-1].reading
+    running = [r.reading for r in readings[:-1] if (r.reading.cpu_time_seconds or 0) > 0]
     assert len(running) >= 2, "usage must be measured while the job runs, not only at the end"
-    for name in ("wall_clock_seconds", "cpu_core_seconds", "memory_gb_seconds", "node_hours", "gpu_seconds"):
-        values = [getattr(r.metrics, name) for r in readings]
+    for name in ("wall_clock_seconds", "cpu_time_seconds", "memory_byte_seconds", "taken_at"):
+        values = [getattr(r.reading, name) for r in readings if getattr(r.reading, name) is not None]
         assert values == sorted(values), f"{name} went backwards: {values}"
-    peaks = [r.metrics.memory_bytes_max or 0 for r in readings]
+    peaks = [r.reading.memory_bytes_max or 0 for r in readings]
     assert peaks == sorted(peaks)
 
     jobdir = adapter.job_dir(job_id)
     real_cpu = float((jobdir / "cpu1").read_text()) + float((jobdir / "cpu2").read_text())
-    measured = float(final.cpu_core_seconds)
+    measured = float(final.cpu_time_seconds or 0)
     print(f"measured {measured:.3f} s of CPU, the burners report {real_cpu:.3f} s")
     assert abs(measured - real_cpu) / real_cpu < 0.15, (measured, real_cpu)
     assert final.memory_bytes_max is not None and final.memory_bytes_max >= 96 * 2**20
-    assert final.memory_gb_seconds > 0
-    wall = final.wall_clock_seconds
-    assert final.node_hours == (2 * wall / 3600).quantize(final.node_hours)
-    assert final.gpu_seconds == 2 * wall
-    assert final.storage_gb_hours == (10 * wall / 3600).quantize(final.storage_gb_hours)
+    assert final.memory_byte_seconds is not None and final.memory_byte_seconds > 0
+    # The reading describes the moment the supervisor clocked: the job's start plus its run time.
+    status = await wait_final(adapter, job_id)
+    assert status.start_time is not None and status.end_time is not None
+    assert final.taken_at is not None and abs((final.taken_at - status.end_time).total_seconds()) < 0.001
+
+    # Billed: the allocation held for the run time; shown: what was used.
+    metered = meter(final, resources)
+    wall = metered.metrics.wall_clock_seconds
+    assert metered.metrics.cpu_core_seconds == 2 * wall
+    assert metered.metrics.node_hours == (wall / 3600).quantize(Decimal("0.000001"))
+    assert metered.metrics.gpu_seconds == 0
+    assert metered.metrics.storage_gb_hours == (10 * wall / 3600).quantize(Decimal("0.000001"))
+    assert metered.metrics.cpu_time_seconds == (final.cpu_time_seconds or 0).quantize(Decimal("0.000001"))
+    assert (
+        metered.basis["cpu_core_seconds"] == "allocated" and metered.basis["cpu_time_seconds"] == "measured"
+    )
+
+
+HOLDER = """
+import sys, time
+memory = bytearray(int(sys.argv[1]))
+for i in range(0, len(memory), 4096):
+    memory[i] = 1
+time.sleep(float(sys.argv[2]))
+"""
+
+
+async def test_memory_is_measured_in_gb_of_ten_to_the_nine_bytes(
+    make_adapter: Callable[..., LocalAdapter], tmp_path: Path
+) -> None:
+    """A job holding ~400 MB for a few seconds used ~0.4 GB x seconds: GB, not GiB (which read 7 % low)."""
+    adapter = make_adapter()
+    holder = tmp_path / "hold.py"
+    holder.write_text(HOLDER)
+    held, seconds = 400_000_000, 4.0
+    env = {"PY": sys.executable, "HOLD": str(holder)}
+    resources = Resources(memory_mb_per_node=382)  # 382 MiB = 400.56 MB asked for, and priced
+    req = request("wf-hold", f'"$PY" "$HOLD" {held} {seconds}\n', environment=env, resources=resources)
+    job_id = (await adapter.submit(req)).scheduler_job_id
+    assert (await wait_final(adapter, job_id)).state == JobState.COMPLETED
+    reading = (await adapter.usage(job_id)).reading
+    metered = meter(reading, resources)
+
+    peak = reading.memory_bytes_max or 0
+    assert held <= peak < held + 40_000_000, peak  # the array plus the interpreter
+    used = metered.metrics.memory_used_gb_seconds
+    assert used is not None
+    # At most the peak held for the whole run; at least the array held for the time it slept.
+    assert Decimal(held) / GB * Decimal(seconds) * Decimal("0.95") <= used
+    assert used <= Decimal(peak) / GB * reading.wall_clock_seconds
+    # Billed: the 400.56 MB asked for, in GB of 10^9 bytes, for the run time.
+    wall = reading.wall_clock_seconds
+    assert metered.metrics.memory_gb_seconds == (Decimal(382 * 2**20) / GB * wall).quantize(
+        Decimal("0.000001")
+    )
+    print(
+        f"held {held / 1e9:.3f} GB for {seconds:g} s: measured {used} GB-s, billed {metered.metrics.memory_gb_seconds}"
+    )
+
+
+@pytest.mark.parametrize(
+    ("resources", "why"),
+    [
+        (Resources(nodes=2), "2 nodes (it runs every job on this one host)"),
+        (Resources(gpus_per_node=1), "1 GPUs per node (this host has 0)"),
+        (Resources(memory_mb_per_node=64 * 1024 * 1024), "67108864 MiB of memory per node (this host has"),
+    ],
+)
+async def test_what_this_host_cannot_provide_is_refused_before_anything_runs(
+    make_adapter: Callable[..., LocalAdapter], resources: Resources, why: str
+) -> None:
+    adapter = make_adapter(gpus=0)
+    with pytest.raises(SubmissionRejected) as refused:
+        await adapter.submit(request("wf-too-big", "touch ran\n", resources=resources))
+    assert f"the local executor cannot provide {why}" in str(refused.value)
+    assert "refused, not billed" in str(refused.value) and not refused.value.transient
+    assert await adapter.find("wf-too-big") is None
+    assert not (adapter.state_dir / "jobs" / scheduler_job_id("wf-too-big")).exists()
+    # A host with GPUs (hpc.local.gpus) runs a job that asks for them.
+    if resources.gpus_per_node:
+        with_gpus = make_adapter(gpus=2)
+        job_id = (await with_gpus.submit(request("wf-gpu", "true\n", resources=resources))).scheduler_job_id
+        assert (await wait_final(with_gpus, job_id)).state == JobState.COMPLETED
 
 
 # ---- what a tenant cannot do -------------------------------------------------------------------------------
@@ -548,7 +629,7 @@ async def test_job_environment_is_clean_and_describes_the_allocation(
     adapter = make_adapter()
     workdir = tmp_path / "workdir"
     workdir.mkdir()
-    resources = Resources(nodes=2, tasks_per_node=3, cpus_per_task=2)
+    resources = Resources(tasks_per_node=3, cpus_per_task=2)
     req = request(
         "wf-env",
         "pwd\nenv\n",
@@ -566,8 +647,8 @@ async def test_job_environment_is_clean_and_describes_the_allocation(
     assert env["MY_SETTING"] == "on"
     assert env["VIRTENGINE_JOB_ID"] == "wf-env"
     assert env["VIRTENGINE_SCHEDULER_JOB_ID"] == job_id
-    assert env["SLURM_NTASKS"] == env["VIRTENGINE_NTASKS"] == "6"
-    assert env["SLURM_NNODES"] == "2" and env["SLURM_CPUS_PER_TASK"] == "2"
+    assert env["SLURM_NTASKS"] == env["VIRTENGINE_NTASKS"] == "3"
+    assert env["SLURM_NNODES"] == "1" and env["SLURM_CPUS_PER_TASK"] == "2"
     assert env["VIRTENGINE_WALLTIME_SECONDS"] == "3600"
     assert env["HOME"] == str(workdir)
     assert "SLURM_JOB_ID" not in env and "SLURM_JOBID" not in env

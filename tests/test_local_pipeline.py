@@ -16,6 +16,7 @@ from activities.schedulers.local import LocalAdapter
 from tests.conftest import make_config
 from tests.pipeline_harness import TENANT, Pipeline, running_pipeline
 from virtengine_hpc.config import Secrets
+from virtengine_hpc.models import Allocation, Resources
 from virtengine_hpc.signing import Signer
 from virtengine_hpc.states import JobState
 from virtengine_hpc.usage import sum_metrics, verify_record
@@ -74,11 +75,18 @@ async def test_every_outcome_on_the_local_executor(pipe: Pipeline, key_path: Pat
         assert [r.sequence for r in records] == list(range(1, len(records) + 1))
         assert [r.is_final for r in records].count(True) == 1 and records[-1].is_final
         assert all(verify_record(r, public) for r in records)
+        asked = Resources.model_validate(pipe.ledger.job(jobs[label]).raw_spec.get("resources", {}))  # type: ignore[union-attr]
+        for r in records:  # format 2: priced on what the job asked for, and no period shorter than its claim
+            assert (r.version, r.allocation) == (2, Allocation.of(asked)), r
+            assert r.basis is not None and r.basis["cpu_core_seconds"] == "allocated"
+            period = Decimal(str((r.period_end - r.period_start).total_seconds()))
+            assert r.metrics.wall_clock_seconds <= period, (label, r.sequence, r.metrics, period)
         settlement = pipe.ledger.settlement(jobs[label])
         assert settlement is not None and settlement.charged + settlement.refunded == settlement.escrow
     burned = sum_metrics([r.metrics for r in pipe.ledger.usage_records(jobs["success"])])
     own = _bash_times(pipe, results[jobs["success"]].scheduler_job_id)
-    assert abs(burned.cpu_core_seconds - own) <= max(Decimal("0.1"), own * Decimal("0.15")), (burned, own)
+    used = burned.cpu_time_seconds or Decimal(0)
+    assert abs(used - own) <= max(Decimal("0.1"), own * Decimal("0.15")), (burned, own)
     assert burned.wall_clock_seconds >= own * Decimal("0.9")
     refund = pipe.ledger.settlement(jobs["rejected"])
     assert refund is not None and refund.charged == 0 and refund.refunded == refund.escrow

@@ -19,6 +19,7 @@ from activities.schedulers.batch.transports import SSHRunner
 from activities.schedulers.moab import MoabAdapter
 from tests import moab_support as ms
 from virtengine_hpc.errors import JobNotFound, SchedulerUnavailable, SecurityError, SubmissionRejected
+from virtengine_hpc.metering import meter
 from virtengine_hpc.states import JobState
 
 TRANSPORTS = ("ssh", "rest")
@@ -56,20 +57,26 @@ async def test_completed_job_reports_exit_code_zero_and_final_usage(
     moab: MoabAdapter, cluster: ms.MoabCluster
 ) -> None:
     wf = ms.workflow_id("complete")
-    burn = "i=0; while [ $i -lt 200000 ]; do i=$((i+1)); done\necho done\n"
-    outcome = await ms.run_job(moab, wf, ms.spec(wf, burn), sample_usage=True)
+    burn = "i=0; while [ $i -lt 30000 ]; do i=$((i+1)); done\nsleep 1\necho done\n"
+    job = ms.spec(wf, burn, resources={"memory_mb_per_node": 256, "storage_gb": 5})
+    outcome = await ms.run_job(moab, wf, job, sample_usage=True)
     assert outcome.final.state == JobState.COMPLETED and outcome.final.exit_code == 0
     assert JobState.RUNNING in outcome.states
     usage = outcome.usage
     assert usage is not None and usage.final
-    assert usage.metrics.cpu_core_seconds > 0, "CPU seconds come from checkjob's StatPSUtl"
-    wall = usage.metrics.wall_clock_seconds
+    reading = usage.reading
+    assert (reading.cpu_time_seconds or 0) > 0, "CPU seconds come from checkjob's StatPSUtl"
+    assert reading.allocated.memory_bytes == 256 * 1024 * 1024 and reading.allocated.nodes == 1
+    wall = reading.wall_clock_seconds
+    metered = meter(reading, job.resources)
     # memory GB-s = the allocation (256 MiB) times the wall clock, exactly
-    assert usage.metrics.memory_gb_seconds == (Decimal(256 * 1024 * 1024) / Decimal(10**9) * wall).quantize(
+    assert metered.metrics.memory_gb_seconds == (Decimal(256 * 1024 * 1024) / Decimal(10**9) * wall).quantize(
         Decimal("0.000001")
     )
+    # storage is billed as on every scheduler (the quote includes it), though MOAB allocates none itself
+    assert metered.metrics.storage_gb_hours == (5 * wall / 3600).quantize(Decimal("0.000001")) > 0
     for live in outcome.live:  # cumulative: no live reading exceeds the final one
-        assert live.metrics.cpu_core_seconds <= usage.metrics.cpu_core_seconds
+        assert (live.reading.cpu_time_seconds or 0) <= (reading.cpu_time_seconds or 0)
     out = cluster.work_dir / f"vehpc-{wf}.o{outcome.submitted.scheduler_job_id.split('.')[-1]}"
     assert out.read_text().strip() == "done"
     again = await moab.submit(SubmitRequest(workflow_id=wf, job=ms.spec(wf, "true\n"), body="true\n"))
@@ -90,7 +97,7 @@ async def test_job_past_its_walltime_times_out(moab: MoabAdapter) -> None:
     outcome = await ms.run_job(moab, wf, ms.spec(wf, "sleep 60\n"))
     assert outcome.final.state == JobState.TIMEOUT, outcome.final
     assert "walltime" in outcome.final.reason
-    assert outcome.usage is not None and outcome.usage.final and outcome.usage.metrics.wall_clock_seconds >= 2
+    assert outcome.usage is not None and outcome.usage.final and outcome.usage.reading.wall_clock_seconds >= 2
 
 
 async def test_job_cancelled_while_running(moab: MoabAdapter) -> None:
@@ -103,7 +110,7 @@ async def test_job_cancelled_while_running(moab: MoabAdapter) -> None:
     outcome = await ms.run_job(moab, wf, ms.spec(wf, "sleep 60\n"), on_running=cancel)
     assert JobState.RUNNING in outcome.states
     assert outcome.final.state == JobState.CANCELLED and outcome.final.reason.startswith("cancelled")
-    assert outcome.usage is not None and outcome.usage.final and outcome.usage.metrics.wall_clock_seconds >= 1
+    assert outcome.usage is not None and outcome.usage.final and outcome.usage.reading.wall_clock_seconds >= 1
     await moab.cancel(outcome.submitted.scheduler_job_id)  # an ended job: not an error
 
 
@@ -120,7 +127,7 @@ async def test_pending_job_cancelled(cluster: ms.MoabCluster, tmp_module: Path) 
         status = (await adapter.status_batch([submitted.scheduler_job_id]))[submitted.scheduler_job_id]
         assert status.state == JobState.CANCELLED and status.start_time is None
         usage = await adapter.usage(submitted.scheduler_job_id)
-        assert usage.final and usage.metrics.wall_clock_seconds == 0
+        assert usage.final and usage.reading.wall_clock_seconds == 0
         await adapter.close()
 
 

@@ -31,6 +31,7 @@ from activities.schedulers.slurm.script import SubmitPlan, job_name
 from activities.schedulers.slurm.transports import SSHRunner
 from tests import slurm_cluster as sc
 from virtengine_hpc.errors import JobNotFound, SchedulerError, SchedulerUnavailable, SubmissionRejected
+from virtengine_hpc.metering import meter
 from virtengine_hpc.models import JobSpec
 from virtengine_hpc.states import JobState
 
@@ -196,7 +197,9 @@ async def test_completed_job_reports_its_end_and_exact_final_usage(
     assert outcome.final.exit_code == 0
     assert outcome.states[-1] == JobState.COMPLETED and JobState.FAILED not in outcome.states
     assert outcome.usage is not None and outcome.usage.final
-    metrics = outcome.usage.metrics
+    reading = outcome.usage.reading
+    assert reading.allocated.memory_bytes == 256 * 1024 * 1024 and reading.allocated.nodes == 1
+    metrics = meter(reading, sc.spec(outcome.workflow_id, "x").resources).metrics
     wall = metrics.wall_clock_seconds
     # memory GB-s = allocation (256 MiB) x elapsed, exactly: a sub-GiB job is not floored to 0.
     assert metrics.memory_gb_seconds == (Decimal(256 * 1024 * 1024) / Decimal(10**9) * wall).quantize(
@@ -243,7 +246,7 @@ async def test_job_cancelled_while_running(
     assert JobState.RUNNING in outcome.states
     assert outcome.final.state == JobState.CANCELLED
     assert outcome.final.reason.startswith("cancelled")
-    assert outcome.usage is not None and outcome.usage.final and outcome.usage.metrics.wall_clock_seconds > 0
+    assert outcome.usage is not None and outcome.usage.final and outcome.usage.reading.wall_clock_seconds > 0
     await slurm.cancel(outcome.submitted.scheduler_job_id)  # already ended: not an error
 
 
@@ -253,25 +256,26 @@ async def test_cpu_burner_usage_matches_sacct(
     outcome = await outcomes["burn"]
     assert outcome.final.state == JobState.COMPLETED
     assert outcome.usage is not None and outcome.usage.final
-    final = outcome.usage.metrics
+    final = outcome.usage.reading
     job_id = outcome.submitted.scheduler_job_id
     line = sc.slurm_command(env, ["sacct", "-P", "-n", "-j", job_id, "-o", "JobIDRaw,TotalCPU,ElapsedRaw"])
     fields = next(row.split("|") for row in line.splitlines() if row.split("|")[0] == job_id)
     from activities.schedulers.slurm.parsers import parse_duration
 
     sacct_cpu, sacct_wall = parse_duration(fields[1]) or Decimal(0), Decimal(fields[2])
-    assert abs(final.cpu_core_seconds - sacct_cpu) <= Decimal("0.1") * sacct_cpu
+    final_cpu = final.cpu_time_seconds or Decimal(0)
+    assert abs(final_cpu - sacct_cpu) <= Decimal("0.1") * sacct_cpu
     assert abs(final.wall_clock_seconds - sacct_wall) <= max(Decimal(1), Decimal("0.1") * sacct_wall)
-    assert abs(final.cpu_core_seconds - BURN_SECONDS) <= Decimal("0.1") * BURN_SECONDS
+    assert abs(final_cpu - BURN_SECONDS) <= Decimal("0.1") * BURN_SECONDS
     # Running readings climb and never pass the final one (so period records add up to it).
-    readings = [a.metrics for a in outcome.live]
+    readings = [a.reading for a in outcome.live]
     assert readings, "the burner was seen running"
     for earlier, later in itertools.pairwise(readings):
         assert later.wall_clock_seconds >= earlier.wall_clock_seconds
-        assert later.cpu_core_seconds >= earlier.cpu_core_seconds
-    assert all(r.cpu_core_seconds <= final.cpu_core_seconds for r in readings)
+        assert (later.cpu_time_seconds or 0) >= (earlier.cpu_time_seconds or 0)
+    assert all((r.cpu_time_seconds or 0) <= final_cpu for r in readings)
     if transport(slurm) != "rest":  # slurmrestd v0.0.38 has no sstat: CPU arrives with the final accounting
-        assert max(r.cpu_core_seconds for r in readings) > 0, "sstat saw the CPU being burnt"
+        assert max(r.cpu_time_seconds or 0 for r in readings) > 0, "sstat saw the CPU being burnt"
 
 
 async def test_hostile_environment_stays_literal_and_tenant_directives_are_ignored(
@@ -344,12 +348,12 @@ async def test_pending_job_cancelled_and_retried_submit_adopts(
         # the job yet (4-5 s lag), the controller does.
         retried = await held.submit(SubmitRequest(workflow_id=wf, job=job, body="echo never\n"))
         assert retried == SubmitResult(scheduler_job_id=first.scheduler_job_id, adopted=True)
-        assert (await held.usage(first.scheduler_job_id)).metrics.wall_clock_seconds == 0
+        assert (await held.usage(first.scheduler_job_id)).reading.wall_clock_seconds == 0
         await held.cancel(first.scheduler_job_id)
         final = await sc.wait_final(held, first.scheduler_job_id, timeout=60)
         assert final.state == JobState.CANCELLED and final.start_time is None
         usage = await held.usage(first.scheduler_job_id)
-        assert usage.final and usage.metrics.wall_clock_seconds == 0
+        assert usage.final and usage.reading.wall_clock_seconds == 0
         await held.cancel(first.scheduler_job_id)  # again: not an error
     finally:
         await held.close()
@@ -626,6 +630,6 @@ async def test_job_past_its_walltime_times_out(env: dict[str, Any]) -> None:
         assert outcome.final.state == JobState.TIMEOUT
         assert "time limit" in outcome.final.reason
         assert outcome.usage is not None and outcome.usage.final
-        assert outcome.usage.metrics.wall_clock_seconds >= 60
+        assert outcome.usage.reading.wall_clock_seconds >= 60
     finally:
         await adapter.close()

@@ -24,7 +24,8 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from activities.chain.client import StatusReport
 from activities.chain.local_ledger import LocalLedger
 from virtengine_hpc.cli import main as cli_main
-from virtengine_hpc.models import UsageMetrics, UsageRecord
+from virtengine_hpc.metering import Reading, meter
+from virtengine_hpc.models import Allocation, Resources, UsageMetrics, UsageRecord
 from virtengine_hpc.signing import Signer, public_key_b64
 from virtengine_hpc.states import JobState
 from virtengine_hpc.usage import record_id, sign_record, signing_payload, verify_record
@@ -43,11 +44,18 @@ def doc_blocks(language: str) -> list[str]:
     return re.findall(rf"```{language}\n(.*?)```", DOC.read_text(), flags=re.S)
 
 
-def make_records(signer: Signer, job_id: str, count: int = 3) -> list[UsageRecord]:
-    """A job's records as the workflow makes them: cumulative readings differenced, the last one final."""
+def make_records(signer: Signer, job_id: str, count: int = 3, version: int = 1) -> list[UsageRecord]:
+    """A job's records as the workflow makes them: cumulative readings differenced, the last one final
+    (format 1, as earlier releases wrote them, or format 2 with its allocation, basis and measured use)."""
     records = []
     for seq in range(1, count + 1):
         final = seq == count
+        v2: dict[str, Any] = {}
+        measured: dict[str, Any] = {}
+        if version == 2:
+            allocation = Allocation(nodes=1, cpus=2, memory_bytes=2**30, storage_gb=10)
+            measured = {"cpu_time_seconds": Decimal("598.25"), "disk_bytes_written": 4096 * seq}
+            v2 = {"version": 2, "allocation": allocation, "basis": {"cpu_core_seconds": "allocated"}}
         unsigned = UsageRecord(
             record_id=record_id(CLUSTER, job_id, seq),
             job_id=job_id,
@@ -68,9 +76,11 @@ def make_records(signer: Signer, job_id: str, count: int = 3) -> list[UsageRecor
                 network_bytes_in=1024 * seq,
                 energy_joules=Decimal("12.5") if seq == 2 else None,
                 memory_bytes_max=52_428_800,
+                **measured,
             ),
             created_at=T0 + timedelta(minutes=5 * seq, seconds=1),
             key_id="",
+            **v2,
         )
         records.append(sign_record(unsigned, signer))
     return records
@@ -105,14 +115,16 @@ def workspace(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> tuple[Cli, 
     return cli, ledger, Signer.from_file(key), key
 
 
-async def finished_job(ledger: LocalLedger, signer: Signer) -> tuple[str, list[UsageRecord]]:
+async def finished_job(
+    ledger: LocalLedger, signer: Signer, version: int = 1
+) -> tuple[str, list[UsageRecord]]:
     ledger.fund(TENANT, "10")
     job_id = ledger.submit_job(
         {"tenant": TENANT, "provider": PROVIDER, "offering_id": f"{CLUSTER}-standard", "max_price": "5"}
     )
     for state in (JobState.QUEUED, JobState.RUNNING):
         await ledger.report_status(StatusReport(job_id=job_id, state=state, cluster_id=CLUSTER))
-    records = make_records(signer, job_id)
+    records = make_records(signer, job_id, version=version)
     result = await ledger.submit_usage(records)
     assert len(result.accepted) == 3
     return job_id, records
@@ -138,11 +150,12 @@ def run_doc_script(script: Path, records: Path, public_b64: str) -> subprocess.C
 # ---- the documented format ---------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("version", [1, 2])
 async def test_the_docs_verifier_checks_records_this_project_signed(
-    workspace: tuple[Cli, LocalLedger, Signer, Path], tmp_path: Path
+    workspace: tuple[Cli, LocalLedger, Signer, Path], tmp_path: Path, version: int
 ) -> None:
     cli, ledger, signer, _ = workspace
-    job_id, records = await finished_job(ledger, signer)
+    job_id, records = await finished_job(ledger, signer, version)
     exported = export(cli, job_id, tmp_path / "records.json")
     assert [r["record_id"] for r in exported] == [r.record_id for r in records]
 
@@ -182,16 +195,33 @@ def test_the_documented_test_vector_matches_the_code() -> None:
     seed = bytes.fromhex(re.search(r"`([0-9a-f]{64})`; public key", text).group(1))  # type: ignore[union-attr]
     blocks = doc_blocks("text")
     public_b64 = blocks[0].strip()
-    tag, body = blocks[1].rstrip("\n").split("\n")
-    signature = blocks[2].strip()
-
     signer = Signer(Ed25519PrivateKey.from_private_bytes(seed))
     assert public_key_b64(signer.public_key) == public_b64
     assert f"`key_id`: `{signer.key_id}`" in text
-    record = UsageRecord.model_validate({**json.loads(body), "signature": signature})
-    assert signing_payload(record) == f"{tag}\n{body}".encode()
-    assert verify_record(record, signer.public_key)
-    assert sign_record(record, signer).signature == signature  # Ed25519 is deterministic
+    vectors = [(blocks[1], blocks[2]), (blocks[3], blocks[4])]  # format 1, format 2
+    for version, (message, signature_block) in enumerate(vectors, start=1):
+        tag, body = message.rstrip("\n").split("\n")
+        assert tag == f"virtengine-hpc/usage-record/v{version}"
+        signature = signature_block.strip()
+        record = UsageRecord.model_validate({**json.loads(body), "signature": signature})
+        assert record.version == version
+        assert signing_payload(record) == f"{tag}\n{body}".encode()
+        assert verify_record(record, signer.public_key)
+        assert sign_record(record, signer).signature == signature  # Ed25519 is deterministic
+    # The format-2 vector is what the one metering function makes of its reading.
+    v2 = UsageRecord.model_validate_json(vectors[1][0].split("\n", 1)[1])
+    metered = meter(
+        Reading(
+            wall_clock_seconds=Decimal(300),
+            cpu_time_seconds=Decimal("598.2"),
+            memory_byte_seconds=Decimal(300 * 52428800),
+            memory_bytes_max=52428800,
+            disk_bytes_read=1048576,
+            disk_bytes_written=4096,
+        ),
+        Resources(tasks_per_node=2, memory_mb_per_node=1024, storage_gb=10),
+    )
+    assert (v2.metrics, v2.allocation, v2.basis) == (metered.metrics, metered.allocation, metered.basis)
 
 
 async def test_export_is_the_canonical_form(
@@ -434,3 +464,25 @@ async def test_ledger_keys_prints_what_the_documented_verifier_takes(
     script.write_text(code)
     checked = run_doc_script(script, tmp_path / "records.json", quiet.strip())
     assert checked.returncode == 0, checked.stdout + checked.stderr
+
+
+async def test_usage_verify_refuses_a_record_claiming_more_run_time_than_its_period(
+    workspace: tuple[Cli, LocalLedger, Signer, Path], tmp_path: Path
+) -> None:
+    cli, _, signer, _ = workspace
+    records = make_records(signer, "JOB-9", version=2)
+    stretched = records[1].model_copy(
+        update={"metrics": records[1].metrics.model_copy(update={"wall_clock_seconds": Decimal("300.5")})}
+    )
+    records[1] = sign_record(stretched, signer)  # signed: only the format's rule catches it
+    path = tmp_path / "records.json"
+    path.write_text(json.dumps([r.model_dump(mode="json") for r in records]))
+    code, out, _ = cli(
+        "usage", "verify", "--file", str(path), "--public-key", public_key_b64(signer.public_key)
+    )
+    assert code == 1
+    assert (
+        f"FAIL  {records[1].record_id}" in out
+        and "claims 300.5 s of run time in a 300.000123 s period" in out
+    )
+    assert out.rstrip().endswith("3 records: 2 ok, 1 failed")

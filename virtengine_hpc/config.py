@@ -418,6 +418,12 @@ class LocalSchedulerConfig(Section):
         "min(its walltime, this). For demos and tests, where the model's 60 s minimum walltime is too long; "
         "leave unset in production.",
     )
+    gpus: int | None = Field(
+        None,
+        ge=0,
+        description="GPUs on this host that jobs may ask for; a job asking for more is refused. Default: the "
+        "NVIDIA devices present (/dev/nvidia0, /dev/nvidia1, ...).",
+    )
 
 
 SchedulerType = Literal["slurm", "moab", "ood", "local"]

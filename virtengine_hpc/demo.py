@@ -240,9 +240,10 @@ def _summary(config: Config, ledger: LocalLedger, signer: Signer, ids: dict[str,
         for rec in ledger.usage_records(job_id):
             ok = "verified" if verify_record(rec, signer.public_key) else "BAD SIGNATURE"
             m = rec.metrics
+            used = "-" if m.cpu_time_seconds is None else f"{m.cpu_time_seconds}"
             print(
                 f"{rec.record_id:<44} final={rec.is_final!s:<5} wall={m.wall_clock_seconds:>9}s "
-                f"cpu={m.cpu_core_seconds:>10} core-s mem={m.memory_gb_seconds:>9} GB-s  {ok}"
+                f"cores={m.cpu_core_seconds:>10} core-s (used {used} s) mem={m.memory_gb_seconds:>9} GB-s  {ok}"
             )
 
     print("\n=== settlement (from tenant escrow at the agreed price; the rest refunded)")

@@ -400,17 +400,28 @@ class UsageInput(Model):
     storage_gb: int = Field(
         0, ge=0, description="The storage the provider accepted for the job (billed for as long as it ran)."
     )
+    resources: Resources | None = Field(
+        None,
+        description="What the job asked for (the bound of its priced allocation); when absent the usage activity "
+        "reads it from the job's spec on chain.",
+    )
 
     @model_validator(mode="before")
     @classmethod
     def _old(cls, data: Any) -> Any:
-        # Up to v0.2.0 the input carried the whole job spec; a record needs only these four of its fields.
+        # Up to v0.2.0 the input carried the whole job spec; a record needs its ids and what it asked for.
         if isinstance(data, dict) and "job" in data:
             job = data["job"]
             spec = job.model_dump() if isinstance(job, BaseModel) else job
             rest = {k: v for k, v in data.items() if k != "job"}
-            storage = (spec.get("resources") or {}).get("storage_gb", 0)
-            return {**rest, **{k: spec[k] for k in ("job_id", "tenant", "provider")}, "storage_gb": storage}
+            resources = spec.get("resources") or {}
+            storage = resources.get("storage_gb", 0)
+            return {
+                **rest,
+                **{k: spec[k] for k in ("job_id", "tenant", "provider")},
+                "storage_gb": storage,
+                "resources": resources,
+            }
         return data
 
 

@@ -13,9 +13,18 @@ import re
 from collections.abc import Mapping
 from datetime import datetime
 from decimal import Decimal
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
 
 from virtengine_hpc.states import JobState
 
@@ -246,9 +255,11 @@ class SchedulingDecision(Model):
 class UsageMetrics(Model):
     """Usage over one period (or, in accounting, over the whole job). ``None`` means not measured here.
 
-    No quantity is negative: a record with negative usage would settle below zero and refund the tenant more
-    than the escrow held (found by ``tests/test_fuzz_models.py``), so the model refuses it wherever a record or
-    accounting report is read.
+    The first six are what is priced (``docs/pricing.md``): the run time, and the job's allocation held for it
+    (``virtengine_hpc/metering.py``). The rest is what the scheduler measured the job using, shown and never
+    priced. No quantity is negative: a record with negative usage would settle below zero and refund the tenant
+    more than the escrow held (found by ``tests/test_fuzz_models.py``), so the model refuses it wherever a record
+    or accounting report is read.
     """
 
     wall_clock_seconds: Decimal = Field(Decimal(0), ge=0)
@@ -261,6 +272,42 @@ class UsageMetrics(Model):
     network_bytes_out: int | None = Field(None, ge=0)
     energy_joules: Decimal | None = Field(None, ge=0)
     memory_bytes_max: int | None = Field(None, ge=0)
+    cpu_time_seconds: Decimal | None = Field(
+        None, ge=0, description="CPU time used (user + system), measured."
+    )
+    memory_used_gb_seconds: Decimal | None = Field(
+        None, ge=0, description="Resident memory integrated over time, measured (GB = 10^9 bytes)."
+    )
+    disk_bytes_read: int | None = Field(None, ge=0, description="Bytes the job read from disk, measured.")
+    disk_bytes_written: int | None = Field(None, ge=0, description="Bytes the job wrote to disk, measured.")
+
+
+#: Metrics a format-1 record cannot carry (they came with format 2).
+METRICS_SINCE_V2 = ("cpu_time_seconds", "memory_used_gb_seconds", "disk_bytes_read", "disk_bytes_written")
+#: The record formats this code reads and writes (``docs/usage-records.md``).
+RECORD_VERSIONS = (1, 2)
+Basis = Literal["measured", "allocated"]
+
+
+class Allocation(Model):
+    """What a job holds while it runs, in the units it is priced in: the allocation a record was priced on."""
+
+    nodes: int = Field(0, ge=0)
+    cpus: int = Field(0, ge=0, description="CPU cores.")
+    gpus: int = Field(0, ge=0)
+    memory_bytes: int = Field(0, ge=0, description="Memory, all nodes together, in bytes.")
+    storage_gb: int = Field(0, ge=0, description="Scratch storage in GB (10^9 bytes).")
+
+    @classmethod
+    def of(cls, resources: Resources) -> Allocation:
+        """What ``resources`` ask for (memory: MiB per node as bytes)."""
+        return cls(
+            nodes=resources.nodes,
+            cpus=resources.total_cpus,
+            gpus=resources.total_gpus,
+            memory_bytes=resources.nodes * resources.memory_mb_per_node * 1024 * 1024,
+            storage_gb=resources.storage_gb,
+        )
 
 
 class UsageRecord(Model):
@@ -281,6 +328,45 @@ class UsageRecord(Model):
     created_at: datetime
     key_id: str = Field(description="Hex SHA-256 of the raw Ed25519 public key that signed the record.")
     signature: str = Field("", description="Base64 Ed25519 signature over the canonical form.")
+    version: int = Field(
+        1, description="Record format: 1 (metrics only), 2 (with allocation, basis and measured use)."
+    )
+    allocation: Allocation | None = Field(None, description="Format 2: the allocation the metrics priced.")
+    basis: dict[str, Basis] | None = Field(
+        None, description="Format 2: per metric present, whether it is measured or allocated x time."
+    )
+
+    @model_serializer(mode="wrap")
+    def _as_its_format(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        """A format-1 record renders as format 1 did (no format-2 keys), wherever it is written."""
+        data: dict[str, Any] = handler(self)
+        if self.version == 1:
+            for key in ("version", "allocation", "basis"):
+                data.pop(key, None)
+            metrics = data.get("metrics")
+            if isinstance(metrics, dict):
+                for key in METRICS_SINCE_V2:
+                    metrics.pop(key, None)
+        return data
+
+    @model_validator(mode="after")
+    def _fits_its_format(self) -> UsageRecord:
+        """A record holds exactly what its format signs: a format-1 record has nothing of format 2 (its
+        signature would not cover it), a format-2 record says what it priced and on which basis."""
+        if self.version not in RECORD_VERSIONS:
+            raise ValueError(f"record format {self.version} is not one of {RECORD_VERSIONS}")
+        if self.version == 1:
+            later = [m for m in METRICS_SINCE_V2 if getattr(self.metrics, m) is not None]
+            if self.allocation is not None or self.basis is not None or later:
+                raise ValueError(
+                    "a format-1 record carries no allocation, basis or "
+                    f"{', '.join(METRICS_SINCE_V2)} (format 2 does)"
+                )
+        elif self.allocation is None or self.basis is None:
+            raise ValueError("a format-2 record carries its allocation and basis")
+        elif not set(self.basis) <= set(UsageMetrics.model_fields):
+            raise ValueError(f"basis names metrics the format does not have: {sorted(self.basis)}")
+        return self
 
 
 class Job(Model):

@@ -25,9 +25,8 @@ from virtengine_hpc.models import JobSpec, Model, PricedQueue, Pricing, Resource
 UNIT = Decimal("0.000001")
 """The chain's smallest amount (six decimal places)."""
 HOUR = Decimal(3600)
-#: MiB -> GB (10^9 bytes): 1 MiB = 1.048576 MB. Quotes count allocated memory in decimal GB, the larger of the two
-#: units the adapters measure in (the local executor measures GiB of RSS, SLURM GB of allocation), so a quote
-#: always covers what settlement can charge.
+#: MiB -> GB (10^9 bytes): 1 MiB = 1.048576 MB. Quotes count allocated memory in GB of 10^9 bytes, as the records
+#: settlement charges do (``virtengine_hpc/metering.py``), so a quote covers what settlement can charge.
 MIB_IN_GB = Decimal("0.001048576")
 
 

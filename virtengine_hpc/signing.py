@@ -31,16 +31,19 @@ from pydantic import BaseModel
 
 from virtengine_hpc.errors import SecurityError
 
-USAGE_RECORD_DOMAIN = "virtengine-hpc/usage-record/v1"
+USAGE_RECORD_PREFIX = "virtengine-hpc/usage-record/v"
+"""Usage records are signed under ``<prefix><format version>`` (``.../v1``, ``.../v2``)."""
+USAGE_RECORD_DOMAIN = f"{USAGE_RECORD_PREFIX}1"
 
 
-def _plain(value: Any) -> Any:
+def plain(value: Any) -> Any:
+    """``value`` as plain JSON values in canonical form (decimals and times as their canonical strings)."""
     if isinstance(value, BaseModel):
-        return _plain(value.model_dump(mode="python"))
+        return plain(value.model_dump(mode="python"))
     if isinstance(value, dict):
-        return {str(k): _plain(v) for k, v in value.items()}
+        return {str(k): plain(v) for k, v in value.items()}
     if isinstance(value, list | tuple):
-        return [_plain(v) for v in value]
+        return [plain(v) for v in value]
     if isinstance(value, bool) or value is None:
         return value
     if isinstance(value, Decimal):
@@ -48,7 +51,7 @@ def _plain(value: Any) -> Any:
     if isinstance(value, datetime):
         return canonical_time(value)
     if isinstance(value, Enum):
-        return _plain(value.value)
+        return plain(value.value)
     if isinstance(value, float):
         raise TypeError("floats are not allowed in signed documents; use Decimal")
     if isinstance(value, int | str):
@@ -73,7 +76,7 @@ def canonical_bytes(
     document: BaseModel | dict[str, Any], domain: str, *, exclude: tuple[str, ...] = ("signature",)
 ) -> bytes:
     """The exact bytes that are signed for ``document`` under ``domain``."""
-    data = _plain(document)
+    data = plain(document)
     for key in exclude:
         data.pop(key, None)
     body = json.dumps(data, sort_keys=True, separators=(",", ":"), ensure_ascii=False)

@@ -9,11 +9,12 @@ records of a job add up exactly to its final accounting. Quantities are ``Decima
 from __future__ import annotations
 
 from decimal import ROUND_HALF_EVEN, Decimal
+from typing import Any
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 from virtengine_hpc.models import UsageMetrics, UsageRecord
-from virtengine_hpc.signing import USAGE_RECORD_DOMAIN, Signer, canonical_bytes, verify
+from virtengine_hpc.signing import USAGE_RECORD_PREFIX, Signer, canonical_bytes, plain, verify
 
 QUANTUM = Decimal("0.000001")
 _DECIMAL_FIELDS = (
@@ -24,6 +25,10 @@ _DECIMAL_FIELDS = (
     "node_hours",
     "storage_gb_hours",
 )
+#: Quantities a scheduler may not measure (``None``), summed like the others where it does.
+_OPTIONAL_DECIMALS = ("energy_joules", "cpu_time_seconds", "memory_used_gb_seconds")
+_OPTIONAL_COUNTS = ("network_bytes_in", "network_bytes_out", "disk_bytes_read", "disk_bytes_written")
+_OPTIONAL = _OPTIONAL_DECIMALS + _OPTIONAL_COUNTS
 
 
 def record_id(cluster_id: str, job_id: str, sequence: int) -> str:
@@ -37,8 +42,10 @@ def quantize(value: Decimal) -> Decimal:
 def normalize_metrics(metrics: UsageMetrics) -> UsageMetrics:
     """Round every decimal quantity to ``QUANTUM`` (done once on cumulative readings, so differences are exact)."""
     updates: dict[str, object] = {name: quantize(getattr(metrics, name)) for name in _DECIMAL_FIELDS}
-    if metrics.energy_joules is not None:
-        updates["energy_joules"] = quantize(metrics.energy_joules)
+    for name in _OPTIONAL_DECIMALS:
+        value = getattr(metrics, name)
+        if value is not None:
+            updates[name] = quantize(value)
     return metrics.model_copy(update=updates)
 
 
@@ -50,7 +57,7 @@ def _opt_op(a: int | Decimal | None, b: int | Decimal | None, sign: int) -> int 
 
 def add_metrics(a: UsageMetrics, b: UsageMetrics) -> UsageMetrics:
     values: dict[str, object] = {name: getattr(a, name) + getattr(b, name) for name in _DECIMAL_FIELDS}
-    for name in ("network_bytes_in", "network_bytes_out", "energy_joules"):
+    for name in _OPTIONAL:
         values[name] = _opt_op(getattr(a, name), getattr(b, name), 1)
     maxes = [m for m in (a.memory_bytes_max, b.memory_bytes_max) if m is not None]
     values["memory_bytes_max"] = max(maxes) if maxes else None
@@ -66,7 +73,7 @@ def diff_metrics(later: UsageMetrics, earlier: UsageMetrics) -> UsageMetrics:
     values: dict[str, object] = {
         name: max(Decimal(0), getattr(later, name) - getattr(earlier, name)) for name in _DECIMAL_FIELDS
     }
-    for name in ("network_bytes_in", "network_bytes_out", "energy_joules"):
+    for name in _OPTIONAL:
         delta = _opt_op(getattr(later, name), getattr(earlier, name), -1)
         values[name] = None if delta is None else max(type(delta)(0), delta)
     values["memory_bytes_max"] = later.memory_bytes_max
@@ -80,8 +87,23 @@ def sum_metrics(items: list[UsageMetrics]) -> UsageMetrics:
     return total
 
 
+def record_document(record: UsageRecord) -> dict[str, Any]:
+    """The record as its format writes it (plain JSON values, signature included).
+
+    Format 1 has no ``version``, ``allocation``, ``basis`` nor the metrics format 2 added: its canonical form is
+    exactly what it was when such records were signed, so they verify as they always did.
+    """
+    document: dict[str, Any] = plain(record)  # the model renders a format-1 record without them
+    return document
+
+
+def record_domain(version: int) -> str:
+    """The domain tag a record of format ``version`` is signed under (``.../v1``, ``.../v2``)."""
+    return f"{USAGE_RECORD_PREFIX}{version}"
+
+
 def signing_payload(record: UsageRecord) -> bytes:
-    return canonical_bytes(record, USAGE_RECORD_DOMAIN)
+    return canonical_bytes(record_document(record), record_domain(record.version))
 
 
 def sign_record(record: UsageRecord, signer: Signer) -> UsageRecord:

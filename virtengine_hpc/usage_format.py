@@ -53,7 +53,32 @@ METRIC_FIELDS: dict[str, Field] = {
     "energy_joules": ("decimal", True),
     "memory_bytes_max": ("integer", True),
 }
-_OBJECTS: dict[str, dict[str, Field]] = {"metrics": METRIC_FIELDS}
+# Format 2 adds the allocation a record priced, the basis of each metric, and measured use.
+RECORD_FIELDS_V2: dict[str, Field] = {
+    **RECORD_FIELDS,
+    "version": ("integer", False),
+    "allocation": ("object", False),
+    "basis": ("object", False),
+}
+METRIC_FIELDS_V2: dict[str, Field] = {
+    **METRIC_FIELDS,
+    "cpu_time_seconds": ("decimal", True),
+    "memory_used_gb_seconds": ("decimal", True),
+    "disk_bytes_read": ("integer", True),
+    "disk_bytes_written": ("integer", True),
+}
+ALLOCATION_FIELDS: dict[str, Field] = {
+    "nodes": ("integer", False),
+    "cpus": ("integer", False),
+    "gpus": ("integer", False),
+    "memory_bytes": ("integer", False),
+    "storage_gb": ("integer", False),
+}
+BASES = ("measured", "allocated")
+_OBJECTS = {
+    1: {"metrics": METRIC_FIELDS},
+    2: {"metrics": METRIC_FIELDS_V2, "allocation": ALLOCATION_FIELDS},
+}
 
 
 class JSONObject(dict[str, Any]):
@@ -105,23 +130,46 @@ def _kind_problem(value: Any, kind: Kind, nullable: bool) -> str | None:
     }[kind]
 
 
-def _object_problems(item: Any, fields: dict[str, Field], where: str) -> list[str]:
-    problems = [f"{where}duplicate key {key!r}" for key in getattr(item, "duplicates", ())]
+def _duplicates(item: Any, where: str) -> list[str]:
+    return [f"{where}duplicate key {key!r}" for key in getattr(item, "duplicates", ())]
+
+
+def _basis_problems(item: dict[str, Any], metrics: dict[str, Field]) -> list[str]:
+    problems = _duplicates(item, "basis.")
+    for key, value in item.items():
+        if key not in metrics:
+            problems.append(f"basis.{key}: not a metric of the format")
+        elif value not in BASES:
+            problems.append(f"basis.{key} is {json.dumps(value)[:40]}: one of {', '.join(BASES)}")
+    return problems
+
+
+def _object_problems(item: Any, fields: dict[str, Field], where: str, version: int) -> list[str]:
+    problems = _duplicates(item, where)
     problems += [f"{where}{key}: missing" for key in fields if key not in item]
-    problems += [f"{where}{key}: not a field of the format" for key in item if key not in fields]
+    problems += [f"{where}{key}: not a field of format {version}" for key in item if key not in fields]
     for key, (kind, nullable) in fields.items():
         if key not in item:
             continue
         problem = _kind_problem(item[key], kind, nullable)
         if problem is not None:
             problems.append(f"{where}{key} {problem}")
+        elif key == "basis":
+            problems += _basis_problems(item[key], _OBJECTS[version]["metrics"])
         elif kind == "object":
-            problems += _object_problems(item[key], _OBJECTS[key], f"{where}{key}.")
+            problems += _object_problems(item[key], _OBJECTS[version][key], f"{where}{key}.", version)
     return problems
 
 
 def form_problems(item: Any) -> list[str]:
-    """What in ``item`` (a record as JSON gives it) the documented form forbids; empty when nothing."""
+    """What in ``item`` (a record as JSON gives it) the documented form forbids; empty when nothing.
+
+    A record without ``version`` is format 1; format 2 says ``"version": 2``.
+    """
     if not isinstance(item, dict):
         return [f"a record is a JSON object, not {type(item).__name__}"]
-    return _object_problems(item, RECORD_FIELDS, "")
+    if "version" not in item:
+        return _object_problems(item, RECORD_FIELDS, "", 1)
+    if type(item["version"]) is not int or item["version"] != 2:
+        return [f"version is {json.dumps(item['version'])[:40]}: 2 (format 1 records have no version)"]
+    return _object_problems(item, RECORD_FIELDS_V2, "", 2)

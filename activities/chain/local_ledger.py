@@ -1311,6 +1311,22 @@ class LocalLedger:
             ).fetchall()
         return [(r["record_id"], r["data"]) for r in rows]
 
+    def jobs_with_usage_between(self, since: datetime, until: datetime) -> list[str]:
+        """Jobs with a usage record whose period overlaps ``[since, until]`` (to the second), oldest first."""
+
+        def second(moment: datetime) -> str:
+            return moment.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%S")
+
+        with self._tx(write=False) as db:
+            rows = db.execute(
+                "SELECT job_id, MIN(received_at) AS first FROM usage_records "
+                "WHERE substr(json_extract(data, '$.period_end'), 1, 19) >= ? "
+                "AND substr(json_extract(data, '$.period_start'), 1, 19) <= ? "
+                "GROUP BY job_id ORDER BY first, job_id",
+                (second(since), second(until)),
+            ).fetchall()
+        return [r["job_id"] for r in rows]
+
     def usage_records(self, job_id: str) -> list[UsageRecord]:
         """A job's stored records in sequence order, exactly as received (signatures included)."""
         with self._tx(write=False) as db:

@@ -12,8 +12,8 @@ exceptions (``virtengine_hpc.errors``) into Temporal errors. The contract, which
 * ``status_batch`` answers for many jobs with one scheduler query (invariant 4). A job the queue no longer shows is
   looked up in accounting; a job found nowhere is reported with ``found=False`` and never assumed completed
   (invariant 5). A failed query raises ``SchedulerUnavailable``: it is never a state change.
-* ``usage`` returns cumulative usage since the job started (monotone), final once the job ended, so that period
-  records are differences of cumulative readings and add up to the final accounting.
+* ``usage`` returns the job's raw cumulative reading since it started (monotone), final once the job ended, so
+  that period records are differences of cumulative readings and add up to the final accounting.
 * ``cancel`` of a job that already ended is not an error.
 """
 
@@ -27,7 +27,8 @@ from typing import ClassVar
 from pydantic import Field
 
 from virtengine_hpc.config import Config, Secrets
-from virtengine_hpc.models import JobSpec, Model, UsageMetrics
+from virtengine_hpc.metering import Reading
+from virtengine_hpc.models import JobSpec, Model
 from virtengine_hpc.states import JobState
 
 
@@ -76,11 +77,15 @@ class NativeStatus(Model):
 
 
 class Accounting(Model):
-    """Cumulative usage of a job since it started; ``final`` once the scheduler closed its record."""
+    """Cumulative usage of a job since it started; ``final`` once the scheduler closed its record.
+
+    ``reading`` is raw: what the scheduler clocked, allocated and measured, in base units. Turning it into a
+    record's metrics is ``virtengine_hpc.metering.meter``'s job alone, the same for every scheduler.
+    """
 
     scheduler_job_id: str
     final: bool = False
-    metrics: UsageMetrics = Field(default_factory=UsageMetrics)
+    reading: Reading = Field(default_factory=Reading)
     start_time: datetime | None = None
     end_time: datetime | None = None
 

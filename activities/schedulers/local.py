@@ -36,7 +36,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterable
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from decimal import Decimal
 from pathlib import Path
 from typing import Any
@@ -52,9 +52,9 @@ from activities.schedulers.base import (
 )
 from virtengine_hpc.config import Config, LocalSchedulerConfig, Secrets
 from virtengine_hpc.errors import JobNotFound, SchedulerError, SchedulerUnavailable, SubmissionRejected
-from virtengine_hpc.models import UsageMetrics
+from virtengine_hpc.metering import Reading
+from virtengine_hpc.models import Resources
 from virtengine_hpc.states import JobState
-from virtengine_hpc.usage import normalize_metrics
 
 JOB_ID_PREFIX = "local-"
 _JOB_ID_RE = re.compile(r"^local-[0-9a-f]{20}$")
@@ -69,6 +69,21 @@ _META_CACHE_SIZE = 4096
 def scheduler_job_id(workflow_id: str) -> str:
     """The local job id of a workflow: deterministic, so a retried submit finds what an earlier one did."""
     return JOB_ID_PREFIX + hashlib.sha256(workflow_id.encode()).hexdigest()[:20]
+
+
+def host_gpus() -> int:
+    """NVIDIA GPUs present on this host (``/dev/nvidia<N>`` devices)."""
+    with contextlib.suppress(OSError):
+        return sum(1 for name in os.listdir("/dev") if re.fullmatch(r"nvidia[0-9]+", name))
+    return 0
+
+
+def host_memory_bytes() -> int | None:
+    """Physical memory of this host, if the system says."""
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError):
+        return None
 
 
 def _utc(timestamp: float | None) -> datetime | None:
@@ -110,6 +125,29 @@ class LocalAdapter(SchedulerAdapter):
         return cls(config.hpc.local, config.local_state_dir, cluster_id)
 
     # ---- public helpers ------------------------------------------------------------------------------------
+    def cannot_provide(self, resources: Resources) -> str | None:
+        """Why this host cannot give a job ``resources`` (``None`` if it can).
+
+        Every job runs on this one host: a job asking for more nodes than one, more GPUs than the host has or
+        more memory than it has would run on a fraction of what it bought, and be billed for the rest. It is
+        refused instead, before anything runs, as a scheduler refuses a job no node of it can hold.
+        """
+        problems = []
+        if resources.nodes > 1:
+            problems.append(f"{resources.nodes} nodes (it runs every job on this one host)")
+        gpus = self.config.gpus if self.config.gpus is not None else host_gpus()
+        if resources.gpus_per_node > gpus:
+            problems.append(f"{resources.gpus_per_node} GPUs per node (this host has {gpus})")
+        memory = host_memory_bytes()
+        asked = resources.memory_mb_per_node * 1024 * 1024
+        if memory is not None and asked > memory:
+            problems.append(
+                f"{resources.memory_mb_per_node} MiB of memory per node (this host has {memory // 2**20} MiB)"
+            )
+        if not problems:
+            return None
+        return f"the local executor cannot provide {' and '.join(problems)}; the job is refused, not billed"
+
     def job_dir(self, scheduler_job_id: str) -> Path:
         """The job's directory (its ``stdout`` and ``stderr`` files are there). Raises ``JobNotFound``."""
         if not _JOB_ID_RE.fullmatch(scheduler_job_id):
@@ -146,6 +184,9 @@ class LocalAdapter(SchedulerAdapter):
 
     # ---- submit --------------------------------------------------------------------------------------------
     def _submit(self, request: SubmitRequest) -> SubmitResult:
+        refusal = self.cannot_provide(request.job.resources)
+        if refusal is not None:
+            raise SubmissionRejected(refusal)
         job_id = scheduler_job_id(request.workflow_id)
         jobdir = self._jobs / job_id
         if not jobdir.is_dir():
@@ -458,24 +499,26 @@ class LocalAdapter(SchedulerAdapter):
         status = self._current_status(job_id)
         if status is None:
             return Accounting(scheduler_job_id=job_id)
-        meta = self._meta(job_id)
-        resources = meta["job"]["resources"]
         raw = status.get("usage") or {}
         wall = _dec(raw.get("wall_clock_seconds"))
-        metrics = UsageMetrics(
+        start = _utc(status.get("start_time"))
+        if "memory_byte_seconds" in raw:
+            byte_seconds = _dec(raw["memory_byte_seconds"])
+        else:  # written by a supervisor of an earlier release, which kept GiB-seconds
+            byte_seconds = _dec(raw.get("memory_gib_seconds")) * 2**30
+        reading = Reading(
             wall_clock_seconds=wall,
-            cpu_core_seconds=_dec(raw.get("cpu_seconds")),
-            memory_gb_seconds=_dec(raw.get("memory_gib_seconds")),
+            # The supervisor clocks the run time from the start; the reading describes that moment.
+            taken_at=start + timedelta(seconds=float(wall)) if start is not None else None,
+            cpu_time_seconds=_dec(raw.get("cpu_seconds")),
+            memory_byte_seconds=byte_seconds,
             memory_bytes_max=raw.get("memory_bytes_max"),
-            node_hours=Decimal(resources["nodes"]) * wall / 3600,
-            gpu_seconds=Decimal(resources["nodes"] * resources["gpus_per_node"]) * wall,
-            storage_gb_hours=Decimal(resources["storage_gb"]) * wall / 3600,
         )
         return Accounting(
             scheduler_job_id=job_id,
             final=status.get("state") in sup.FINAL_STATES,
-            metrics=normalize_metrics(metrics),
-            start_time=_utc(status.get("start_time")),
+            reading=reading,
+            start_time=start,
             end_time=_utc(status.get("end_time")),
         )
 

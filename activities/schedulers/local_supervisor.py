@@ -268,7 +268,7 @@ class Integrator:
         return {
             "wall_clock_seconds": f"{self.wall_seconds:.6f}",
             "cpu_seconds": f"{self.cpu_seconds:.6f}",
-            "memory_gib_seconds": f"{self.byte_seconds / 2**30:.6f}",
+            "memory_byte_seconds": f"{self.byte_seconds:.0f}",
             "memory_bytes_max": self.peak_bytes,
             "samples": self.samples,
         }

@@ -11,29 +11,33 @@ prints one line per record and exits 1 if anything fails. The record format is i
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import sys
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from decimal import Decimal
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 from pydantic import ValidationError as PydanticValidationError
 
 from virtengine_hpc.cli.common import config_from_args
-from virtengine_hpc.errors import SecurityError, ValidationError
-from virtengine_hpc.models import UsageRecord
-from virtengine_hpc.signing import (
-    USAGE_RECORD_DOMAIN,
-    canonical_bytes,
-    key_id,
-    load_private_key,
-    public_key_from_b64,
-)
-from virtengine_hpc.usage import record_id, verify_record
+from virtengine_hpc.config import Config, Secrets, parse_duration
+from virtengine_hpc.errors import HPCError, SecurityError, ValidationError
+from virtengine_hpc.metering import BASIS, MetricCheck, meter, reconcile
+from virtengine_hpc.models import Resources, UsageRecord
+from virtengine_hpc.signing import canonical_decimal, key_id, load_private_key, public_key_from_b64
+from virtengine_hpc.usage import record_document, record_id, sum_metrics, verify_record
 from virtengine_hpc.usage_format import form_problems, load_json
+
+if TYPE_CHECKING:
+    from activities.chain.local_ledger import LocalLedger
+    from activities.schedulers.base import SchedulerAdapter
 
 KeyLookup = Callable[[UsageRecord], "Ed25519PublicKey | str"]
 """Returns the key to verify a record with, or a reason why there is none."""
@@ -61,6 +65,24 @@ def register(subparsers: Any) -> None:
     key.add_argument("--public-key", metavar="B64", help="the provider's raw Ed25519 public key, base64")
     key.add_argument("--key-file", metavar="PEM", help="the provider's public (or private) key file")
     p.set_defaults(func=cmd_verify)
+
+    p = sub.add_parser(
+        "reconcile",
+        help="compare jobs' records with the scheduler's own accounting, metric by metric",
+        description="Compare what a job's usage records add up to with the scheduler's own final accounting "
+        "(sacct for SLURM, checkjob for MOAB, the local executor's status), metered by the same rule, metric by "
+        "metric. A metric agrees within the larger of 1 %% of the scheduler's figure and one second's worth. "
+        "Exit 1 when any job differs beyond that or cannot be reconciled; jobs still running are skipped.",
+    )
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument("--job", metavar="ID", help="one job")
+    source.add_argument(
+        "--since", metavar="TIME", help="every job with records in a period ending at or after TIME"
+    )
+    p.add_argument(
+        "--until", metavar="TIME", help="with --since: and starting at or before TIME (default now)"
+    )
+    p.set_defaults(func=cmd_reconcile)
 
 
 # ---- keys --------------------------------------------------------------------------------------------------
@@ -171,6 +193,14 @@ def _record_problems(record: UsageRecord, lookup: KeyLookup) -> list[str]:
     expected = record_id(record.cluster_id, record.job_id, record.sequence)
     if record.record_id != expected:
         problems.append(f"record id should be {expected}")
+    if record.version >= 2:
+        span = record.period_end - record.period_start
+        period = Decimal(span.days * 86400 + span.seconds) + Decimal(span.microseconds) / 1_000_000
+        if record.metrics.wall_clock_seconds > period:
+            problems.append(
+                f"claims {canonical_decimal(record.metrics.wall_clock_seconds)} s of run time in a "
+                f"{canonical_decimal(period)} s period"
+            )
     key = lookup(record)
     if isinstance(key, str):
         problems.append(key)
@@ -217,7 +247,12 @@ def _read_records(path: str) -> list[Any]:
 
 
 def _stored(text: str) -> Any:
-    """A record as the ledger stored it; a row that is not even JSON is kept as text (reported malformed)."""
+    """A record the ledger stored (in its own rendering), in the documented form; a row that cannot be read is
+    returned as what is left of it, which ``read_record`` then reports as malformed."""
+    try:
+        return record_document(UsageRecord.model_validate_json(text))
+    except (PydanticValidationError, ValueError):
+        pass
     try:
         return load_json(text)
     except json.JSONDecodeError:
@@ -230,9 +265,7 @@ def wire_form(record: UsageRecord) -> dict[str, Any]:
     Dropping ``signature`` and dumping the rest with sorted keys and no whitespace gives exactly the signed
     body, so a verifier needs nothing but a JSON and an Ed25519 library (``docs/usage-records.md``).
     """
-    payload = canonical_bytes(record, USAGE_RECORD_DOMAIN, exclude=())
-    body: dict[str, Any] = json.loads(payload.split(b"\n", 1)[1])
-    return body
+    return record_document(record)
 
 
 # ---- commands ----------------------------------------------------------------------------------------------
@@ -298,3 +331,132 @@ def cmd_verify(args: argparse.Namespace) -> int:
         print("FAIL  no records to verify")
     print(f"{len(result.records)} records: {len(result.records) - failed} ok, {failed} failed")
     return 0 if result.ok else 1
+
+
+# ---- reconcile ---------------------------------------------------------------------------------------------
+
+
+def _when(text: str) -> datetime:
+    """A time on the command line: RFC 3339 (a time without a zone is UTC) or a duration ago (``24h``)."""
+    try:
+        moment = datetime.fromisoformat(text.replace("Z", "+00:00"))
+    except ValueError:
+        try:
+            return datetime.now(UTC) - parse_duration(text)
+        except ValueError:
+            raise ValidationError(
+                f"{text!r} is neither a time (2026-11-30T12:00:00Z) nor a duration (24h)"
+            ) from None
+    return moment if moment.tzinfo else moment.replace(tzinfo=UTC)
+
+
+def cmd_reconcile(args: argparse.Namespace) -> int:
+    from virtengine_hpc.cli.ledger import open_ledger
+
+    config = config_from_args(args)
+    ledger = open_ledger(args)
+    if args.job:
+        if ledger.job(args.job) is None:
+            raise ValidationError(f"unknown job {args.job}")
+        job_ids = [args.job]
+    else:
+        until = _when(args.until) if args.until else datetime.now(UTC)
+        job_ids = ledger.jobs_with_usage_between(_when(args.since), until)
+    return asyncio.run(_reconcile_jobs(config, ledger, job_ids))
+
+
+@dataclass
+class _Reconciled:
+    outcome: str
+    """``OK``, ``DIFF`` (beyond tolerance), ``FAIL`` (cannot be reconciled) or ``SKIP`` (still running)."""
+    summary: str
+    checks: list[MetricCheck] = field(default_factory=list)
+
+
+async def _reconcile_jobs(config: Config, ledger: LocalLedger, job_ids: list[str]) -> int:
+    from workers.wiring import build_adapter
+
+    secrets = Secrets.from_env()
+    adapters: dict[str, SchedulerAdapter] = {}
+
+    def adapter_of(cluster_id: str) -> SchedulerAdapter:
+        if cluster_id not in adapters:
+            adapters[cluster_id] = build_adapter(config, secrets, cluster_id)
+        return adapters[cluster_id]
+
+    counts: Counter[str] = Counter()
+    try:
+        for job_id in job_ids:
+            result = await _reconcile_job(ledger, job_id, adapter_of)
+            counts[result.outcome] += 1
+            _print_reconciled(job_id, result)
+    finally:
+        for adapter in adapters.values():
+            await adapter.close()
+    print(
+        f"{len(job_ids)} jobs: {counts['OK']} agree, {counts['DIFF']} differ, {counts['FAIL']} cannot be "
+        f"reconciled, {counts['SKIP']} still running"
+    )
+    return 1 if counts["DIFF"] or counts["FAIL"] else 0
+
+
+async def _reconcile_job(
+    ledger: LocalLedger, job_id: str, adapter_of: Callable[[str], SchedulerAdapter]
+) -> _Reconciled:
+    job = ledger.job(job_id)
+    assert job is not None
+    records: list[UsageRecord] = []
+    for rid, stored in ledger.usage_record_texts(job_id):
+        read = read_record(_stored(stored))
+        if isinstance(read, list):
+            return _Reconciled("FAIL", f"stored record {rid} is damaged: {'; '.join(read)}")
+        records.append(read)
+    scheduler_job_id = records[-1].scheduler_job_id if records else job.scheduler_job_id
+    cluster_id = records[-1].cluster_id if records else job.cluster_id
+    if not scheduler_job_id or not cluster_id:
+        return _Reconciled("OK", "never reached a scheduler: nothing used, nothing recorded")
+    where = f"{scheduler_job_id} on {cluster_id}"
+    try:
+        accounting = await adapter_of(cluster_id).usage(scheduler_job_id)
+    except HPCError as exc:
+        return _Reconciled("FAIL", f"the scheduler's accounting of {where} cannot be read: {exc}")
+    if not accounting.final or (not any(r.is_final for r in records) and job.state.active):
+        return _Reconciled("SKIP", f"{where} is still running; its accounting is not final")
+    resources = Resources.model_validate(job.raw_spec.get("resources") or {})
+    theirs = meter(accounting.reading, resources)
+    ours = sum_metrics([r.metrics for r in records])
+    formats = sorted({r.version for r in records})
+    # Format-1 records priced CPU and memory on other bases: only the run time compares with them.
+    compared = tuple(BASIS) if formats in ([], [2]) else ("wall_clock_seconds",)
+    checks = reconcile(ours, theirs, metrics=compared)
+    differ = [c.metric for c in checks if not c.ok]
+    summary = (
+        f"{where}, {len(records)} records (format {', '.join(map(str, formats)) or '-'}), "
+        f"{'differs in ' + ', '.join(differ) if differ else 'every metric within tolerance'}"
+    )
+    return _Reconciled("DIFF" if differ else "OK", summary, checks)
+
+
+def _show(value: Decimal | None) -> str:
+    return "-" if value is None else canonical_decimal(value)
+
+
+def _print_reconciled(job_id: str, result: _Reconciled) -> None:
+    print(f"{result.outcome:<5} job {job_id}: {result.summary}")
+    if not result.checks:
+        return
+    rows = [("metric", "records", "scheduler", "difference", "tolerance", "")]
+    for c in result.checks:
+        rows.append(
+            (
+                c.metric,
+                _show(c.records),
+                _show(c.scheduler),
+                _show(c.difference),
+                _show(c.tolerance),
+                "ok" if c.ok else "DIFF",
+            )
+        )
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    for row in rows:
+        print("      " + "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip())

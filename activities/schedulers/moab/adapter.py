@@ -12,9 +12,9 @@ What it promises (``activities/schedulers/base.py``), and how:
   timeout when the job used its whole walltime or Torque reports ``-11``; ``Vacated`` is a failure
   (``states.py``). A batch hold that never clears (``RMReject``, ``NoResources``...) fails the job at once and
   cancels it.
-* **Usage** from ``checkjob --xml`` (MWS: the job): wall clock = ``AWDuration``, CPU = ``StatPSUtl`` (processor
-  seconds utilized), memory GB-s and node-hours = the allocation times the wall clock, peak memory from ``UtilMem``.
-  Cumulative and monotone; final once the job ended.
+* **Usage** from ``checkjob --xml`` (MWS: the job), a raw reading that ``virtengine_hpc.metering`` meters: run
+  time = ``AWDuration``, CPU time = ``StatPSUtl`` (processor seconds utilized), peak memory from ``UtilMem``, and
+  the allocation (nodes, processors, memory, GPUs). Cumulative and monotone; final once the job ended.
 """
 
 from __future__ import annotations
@@ -40,14 +40,12 @@ from activities.schedulers.moab.backends import TRANSIENT_PATTERNS, CliBackend, 
 from activities.schedulers.moab.states import Mapped, map_state
 from virtengine_hpc.config import Config, MoabConfig, Secrets
 from virtengine_hpc.errors import ConfigError, JobNotFound, SchedulerError
-from virtengine_hpc.models import UsageMetrics
-from virtengine_hpc.usage import normalize_metrics
+from virtengine_hpc.metering import Allocated, Reading, highest
 
 log = logging.getLogger(__name__)
 
 MAX_IDS_PER_QUERY = 2000
-_MIB = Decimal(1024 * 1024)
-_GB = Decimal(10**9)
+_MIB = 1024 * 1024
 _USAGE_CACHE = 20_000
 #: Environment of every MOAB command: stable number and date formats.
 COMMAND_ENV = {"LC_ALL": "C"}
@@ -90,7 +88,7 @@ class MoabAdapter(BatchSchedulerAdapter):
         self.cluster_id = cluster_id
         self.config = config
         self.hold_jobs = hold
-        self._high_water: dict[str, UsageMetrics] = {}
+        self._high_water: dict[str, Reading] = {}
 
     @classmethod
     def from_config(cls, config: Config, secrets: Secrets, cluster_id: str) -> MoabAdapter:
@@ -230,40 +228,44 @@ class MoabAdapter(BatchSchedulerAdapter):
         final = m.state.final
         if not job.started and not final:
             return Accounting(scheduler_job_id=job_id)
-        metrics = self._metrics(job)
+        reading = self._reading(job, final=final)
         previous = self._high_water.get(job_id)
         if previous is not None:
-            metrics = _max_metrics(metrics, previous)
+            reading = highest(reading, previous)
         if final:
             self._high_water.pop(job_id, None)
         else:
             if len(self._high_water) >= _USAGE_CACHE:
                 self._high_water.clear()
-            self._high_water[job_id] = metrics
+            self._high_water[job_id] = reading
         return Accounting(
             scheduler_job_id=job_id,
             final=final,
-            metrics=normalize_metrics(metrics),
+            reading=reading,
             start_time=job.start_time,
             end_time=job.end_time if final else None,
         )
 
     @staticmethod
-    def _metrics(job: p.MoabJob) -> UsageMetrics:
+    def _reading(job: p.MoabJob, *, final: bool) -> Reading:
+        """MOAB's figures: run time ``AWDuration``, processor-seconds ``StatPSUtl``, peak ``UtilMem``, and the
+        allocation (nodes, processors, memory, GPUs). MOAB allocates no scratch storage: the job's request stands."""
+        now = datetime.now(UTC)
         wall = job.wall_seconds
         if wall is None and job.start_time is not None:
-            end = job.end_time or datetime.now(UTC)
+            end = job.end_time or now
             wall = max(0, int((end - job.start_time).total_seconds()))
-        elapsed = Decimal(wall or 0)
-        nodes = Decimal(job.nodes or (1 if elapsed > 0 else 0))
-        memory_bytes = Decimal(job.mem_mb or 0) * _MIB
-        return UsageMetrics(
-            wall_clock_seconds=elapsed,
-            cpu_core_seconds=job.cpu_seconds or Decimal(0),
-            memory_gb_seconds=memory_bytes / _GB * elapsed,
-            gpu_seconds=Decimal(job.gpus) * elapsed,
-            node_hours=nodes * elapsed / 3600,
-            memory_bytes_max=int(job.util_mem_mb * _MIB) if job.util_mem_mb else None,
+        return Reading(
+            wall_clock_seconds=Decimal(wall or 0),
+            taken_at=job.end_time if final and job.end_time else now,
+            allocated=Allocated(
+                nodes=job.nodes,
+                cpus=job.procs,
+                gpus=job.gpus if job.gpus else None,
+                memory_bytes=job.mem_mb * _MIB if job.mem_mb else None,
+            ),
+            cpu_time_seconds=job.cpu_seconds,
+            memory_bytes_max=job.util_mem_mb * _MIB if job.util_mem_mb else None,
         )
 
     # ---- cancel, hold, release ------------------------------------------------------------------------------
@@ -284,14 +286,6 @@ class MoabAdapter(BatchSchedulerAdapter):
     async def close(self) -> None:
         await super().close()
         await self.backend.close()
-
-
-def _max_metrics(a: UsageMetrics, b: UsageMetrics) -> UsageMetrics:
-    values: dict[str, object] = {}
-    for name in UsageMetrics.model_fields:
-        x, y = getattr(a, name), getattr(b, name)
-        values[name] = y if x is None else x if y is None else max(x, y)
-    return UsageMetrics.model_validate(values)
 
 
 __all__ = ["MoabAdapter"]

@@ -14,10 +14,10 @@ What it promises (``activities/schedulers/base.py``), and how:
   is ``found=False``, never "completed". A failed query raises ``SchedulerUnavailable``: never a state change.
 * **Pending forever is failure.** A pending reason that means "never starts" (``states.NEVER_START_REASONS``)
   fails the job at once, and the job is cancelled so it cannot start behind the workflow's back.
-* **Usage** is cumulative and monotone: wall clock = Slurm's elapsed; CPU = measured user+system time of all steps
-  (``sstat`` for running steps, ``sacct`` for ended ones); memory GB-s, GPU-s and node-hours = the allocation
-  (what the job holds, as Slurm's TRES billing counts it) times elapsed; peak RSS; energy and interconnect bytes
-  where Slurm measures them. Exact ``Decimal`` arithmetic: 100 MiB for 10 s is 1.048576 GB-s, not 0.
+* **Usage** is a raw reading, cumulative and monotone (``virtengine_hpc.metering`` meters it): run time = Slurm's
+  elapsed; allocation = ``AllocTRES`` (nodes, CPUs, memory, GPUs); measured, summed over the steps (``sstat`` for
+  running steps, ``sacct`` for ended ones): CPU time, peak RSS, disk bytes read and written (``fs/disk``),
+  interconnect bytes (``ic/*``) and energy (the job's ``ConsumedEnergyRaw``) where the site gathers them.
 """
 
 from __future__ import annotations
@@ -51,7 +51,6 @@ from activities.schedulers.slurm.base import (
 )
 from activities.schedulers.slurm.script import (
     job_name,
-    parse_comment,
     plan_submission,
     workflow_of,
 )
@@ -59,15 +58,13 @@ from activities.schedulers.slurm.states import Mapped, map_state
 from activities.schedulers.slurm.transports import LocalRunner, RestClient, SSHRunner, load_pyslurm
 from virtengine_hpc.config import Config, Secrets, SlurmConfig
 from virtengine_hpc.errors import ConfigError, JobNotFound, SchedulerError
-from virtengine_hpc.models import UsageMetrics
+from virtengine_hpc.metering import Allocated, Reading, highest
 from virtengine_hpc.states import JobState
-from virtengine_hpc.usage import normalize_metrics
 
 log = logging.getLogger(__name__)
 
 #: Ids per ``squeue -j`` / ``sacct -j`` call (command lines stay far below ARG_MAX).
 MAX_IDS_PER_QUERY = 5000
-_GB = Decimal(10**9)
 _RUNNING_LIKE = (JobState.RUNNING, JobState.SUSPENDED)
 _USAGE_CACHE = 20_000
 
@@ -109,8 +106,8 @@ class SlurmAdapter(BatchSchedulerAdapter):
         self._checked = False
         self._check_lock = asyncio.Lock()
         self._accounting_enabled = True
-        self._high_water: dict[str, UsageMetrics] = {}
-        self._step_cpu: dict[str, dict[str, Decimal]] = {}
+        self._high_water: dict[str, Reading] = {}
+        self._steps: dict[str, dict[str, Reading]] = {}
 
     # ---- construction --------------------------------------------------------------------------------------
     @classmethod
@@ -364,7 +361,7 @@ class SlurmAdapter(BatchSchedulerAdapter):
             native_state=mapped.native_state,
             reason=_final_reason(mapped.reason, job.exit_code, job.reason) if final else mapped.reason,
             exit_code=job.exit_code if final else None,
-            start_time=job.start_time if job.elapsed_seconds > 0 or mapped.state in _RUNNING_LIKE else None,
+            start_time=job.start_time if _started(job) or mapped.state in _RUNNING_LIKE else None,
             end_time=job.end_time if final else None,
         )
 
@@ -398,7 +395,8 @@ class SlurmAdapter(BatchSchedulerAdapter):
         if queued is not None:
             return self._queue_usage(job_id, queued, final=False)
         assert accounted is not None
-        return self._monotone(job_id, self._accounting_metrics(accounted), accounted, final=False)
+        reading = self._accounting_reading(accounted, taken_at=datetime.now(UTC))
+        return self._monotone(job_id, reading, accounted, final=False)
 
     async def _running_usage(self, job_id: str, job: p.QueueJob) -> Accounting:
         live_task = asyncio.create_task(self.backend.live_steps(job_id))
@@ -411,42 +409,26 @@ class SlurmAdapter(BatchSchedulerAdapter):
             log.info("usage of %s: accounting unavailable (%s); live steps only", job_id, exc)
             ended = []
         live = await live_task
-        # Per step, the highest CPU reading seen (live from sstat, ended from sacct): sum is monotone.
-        seen = self._step_cpu.setdefault(job_id, {})
-        rss: list[int] = []
-        energy = Decimal(0)
-        net_in: Decimal | None = None
-        net_out: Decimal | None = None
+        # Per step, the highest reading seen (live from sstat, ended from sacct): their sum is monotone.
+        seen = self._steps.setdefault(job_id, {})
         for step in [s for a in ended for s in a.steps]:
-            seen[step.step_id] = max(seen.get(step.step_id, Decimal(0)), step.total_cpu_seconds)
-            rss += [step.max_rss_bytes] if step.max_rss_bytes else []
+            self._see(seen, step.step_id, _acct_step(step))
         for step_live in live or []:
-            cpu = step_live.usage_in.get("cpu", Decimal(0))
-            seen[step_live.step_id] = max(seen.get(step_live.step_id, Decimal(0)), cpu)
-            rss += [step_live.max_rss_bytes] if step_live.max_rss_bytes else []
-            energy += step_live.usage_in.get("energy", Decimal(0))
-            if "ic/ofed" in step_live.usage_in:
-                net_in = (net_in or Decimal(0)) + step_live.usage_in["ic/ofed"]
-            if "ic/ofed" in step_live.usage_out:
-                net_out = (net_out or Decimal(0)) + step_live.usage_out["ic/ofed"]
+            self._see(seen, step_live.step_id, _live_step(step_live))
         elapsed = job.elapsed_seconds
+        now = datetime.now(UTC)
         if elapsed is None:  # slurmrestd gives no run time: derive it from the start
             # Up to the job's end when the controller already has one (COMPLETING after a cancel: the processes
             # are still exiting, the clock stopped); for a running job end_time is its limit, in the future.
-            now = datetime.now(UTC)
             end = min(now, job.end_time) if job.end_time is not None else now
             elapsed = max(0, int((end - (job.start_time or end)).total_seconds()))
-        metrics = _metrics(
-            elapsed=Decimal(elapsed),
-            alloc=job.alloc_tres,
-            cpu=sum(seen.values(), Decimal(0)),
-            rss=max(rss) if rss else None,
-            energy=energy or None,
-            net_in=net_in,
-            net_out=net_out,
-            storage_gb=_storage_gb(job.comment),
-        )
-        return self._monotone(job_id, metrics, job, final=False)
+        reading = _job_reading(list(seen.values()), Decimal(elapsed), job.alloc_tres, taken_at=now)
+        return self._monotone(job_id, reading, job, final=False)
+
+    @staticmethod
+    def _see(seen: dict[str, Reading], step_id: str, reading: Reading) -> None:
+        previous = seen.get(step_id)
+        seen[step_id] = reading if previous is None else highest(reading, previous)
 
     def _accounting_closed(self, job: p.AcctJob) -> bool:
         """The job ended in accounting and so did each of its steps (a step's record lands a moment after the job's
@@ -464,35 +446,25 @@ class SlurmAdapter(BatchSchedulerAdapter):
             return True
         return False
 
-    def _accounting_metrics(self, job: p.AcctJob) -> UsageMetrics:
-        cpu = (
-            sum((s.total_cpu_seconds for s in job.steps), Decimal(0)) if job.steps else job.total_cpu_seconds
-        )
-        rss = [s.max_rss_bytes for s in job.steps if s.max_rss_bytes]
-        energy = (
-            sum((s.usage_in.get("energy", Decimal(0)) for s in job.steps), Decimal(0)) or job.energy_joules
-        )
-        net_in = [s.usage_in["ic/ofed"] for s in job.steps if "ic/ofed" in s.usage_in]
-        net_out = [s.usage_out["ic/ofed"] for s in job.steps if "ic/ofed" in s.usage_out]
-        return _metrics(
-            elapsed=Decimal(job.elapsed_seconds),
-            alloc=job.alloc_tres,
-            cpu=cpu or Decimal(0),
-            rss=max(rss) if rss else None,
-            energy=energy or None,
-            net_in=sum(net_in, Decimal(0)) if net_in else None,
-            net_out=sum(net_out, Decimal(0)) if net_out else None,
-            storage_gb=_storage_gb(job.comment),
-        )
+    @staticmethod
+    def _accounting_reading(job: p.AcctJob, *, taken_at: datetime | None) -> Reading:
+        """What accounting says of the job: its steps' measurements, its elapsed time and allocation."""
+        steps = [_acct_step(s) for s in job.steps]
+        if not steps and job.total_cpu_seconds is not None:
+            steps = [Reading(cpu_time_seconds=job.total_cpu_seconds)]
+        reading = _job_reading(steps, Decimal(job.elapsed_seconds), job.alloc_tres, taken_at=taken_at)
+        if job.energy_joules:  # the job's own figure (steps overlap in time: theirs would count twice)
+            reading = reading.model_copy(update={"energy_joules": job.energy_joules})
+        return reading
 
     def _final_usage(self, job_id: str, job: p.AcctJob) -> Accounting:
         self._high_water.pop(job_id, None)
-        self._step_cpu.pop(job_id, None)
+        self._steps.pop(job_id, None)
         return Accounting(
             scheduler_job_id=job_id,
             final=True,
-            metrics=normalize_metrics(self._accounting_metrics(job)),
-            start_time=job.start_time if job.elapsed_seconds > 0 else None,
+            reading=self._accounting_reading(job, taken_at=job.end_time),
+            start_time=job.start_time if _started(job) else None,
             end_time=job.end_time,
         )
 
@@ -502,39 +474,31 @@ class SlurmAdapter(BatchSchedulerAdapter):
             elapsed = max(0, int((job.end_time - job.start_time).total_seconds()))
         # The controller says the job ended but not when (slurmrestd right after a cancel): never extrapolate to
         # "now", which would bill time the job did not run; the last reading stands until accounting closes it.
-        cpu = sum(self._step_cpu.get(job_id, {}).values(), Decimal(0))
-        metrics = _metrics(
-            elapsed=Decimal(elapsed or 0),
-            alloc=job.alloc_tres,
-            cpu=cpu,
-            rss=self._high_water[job_id].memory_bytes_max if job_id in self._high_water else None,
-            energy=None,
-            net_in=None,
-            net_out=None,
-            storage_gb=_storage_gb(job.comment),
-        )
-        return self._monotone(job_id, metrics, job, final=final)
+        steps = list(self._steps.get(job_id, {}).values())
+        taken = job.end_time if job.end_time is not None else datetime.now(UTC)
+        reading = _job_reading(steps, Decimal(elapsed or 0), job.alloc_tres, taken_at=taken)
+        return self._monotone(job_id, reading, job, final=final)
 
     def _monotone(
-        self, job_id: str, metrics: UsageMetrics, job: p.QueueJob | p.AcctJob, *, final: bool
+        self, job_id: str, reading: Reading, job: p.QueueJob | p.AcctJob, *, final: bool
     ) -> Accounting:
         """A running reading never goes below an earlier one (a step that just ended is in neither sstat nor,
         for a few seconds, sacct)."""
         previous = self._high_water.get(job_id)
         if previous is not None:
-            metrics = _max_metrics(metrics, previous)
+            reading = highest(reading, previous)
         if len(self._high_water) >= _USAGE_CACHE:
             self._high_water.clear()
-            self._step_cpu.clear()
+            self._steps.clear()
         if final:
             self._high_water.pop(job_id, None)
-            self._step_cpu.pop(job_id, None)
+            self._steps.pop(job_id, None)
         else:
-            self._high_water[job_id] = metrics
+            self._high_water[job_id] = reading
         return Accounting(
             scheduler_job_id=job_id,
             final=final,
-            metrics=normalize_metrics(metrics),
+            reading=reading,
             start_time=job.start_time,
             end_time=job.end_time if final else None,
         )
@@ -587,42 +551,90 @@ def _final_reason(mapped_reason: str, exit_code: int | None, slurm_reason: str) 
     return reason
 
 
-def _storage_gb(comment: str) -> int:
-    value = parse_comment(comment).get("storage_gb", "0")
-    return int(value) if value.isdigit() else 0
+def _started(job: p.AcctJob) -> bool:
+    """Whether accounting says the job started: it has a start time and ran, or at least got an allocation
+    (a job that fails at once ran for 0 s; a job cancelled while pending has no allocation)."""
+    return job.start_time is not None and (job.elapsed_seconds > 0 or bool(job.alloc_tres))
 
 
-def _metrics(
-    *,
-    elapsed: Decimal,
-    alloc: dict[str, Decimal],
-    cpu: Decimal,
-    rss: int | None,
-    energy: Decimal | None,
-    net_in: Decimal | None,
-    net_out: Decimal | None,
-    storage_gb: int,
-) -> UsageMetrics:
-    nodes = alloc.get("node", Decimal(1) if elapsed > 0 else Decimal(0))
-    memory = alloc.get("mem", Decimal(0))
-    gpus = alloc.get("gres/gpu", Decimal(0))
-    return UsageMetrics(
-        wall_clock_seconds=elapsed,
-        cpu_core_seconds=cpu,
-        memory_gb_seconds=memory / _GB * elapsed,
-        gpu_seconds=gpus * elapsed,
-        node_hours=nodes * elapsed / 3600,
-        storage_gb_hours=Decimal(storage_gb) * elapsed / 3600,
-        network_bytes_in=int(net_in) if net_in is not None else None,
-        network_bytes_out=int(net_out) if net_out is not None else None,
-        energy_joules=energy,
+def _count(value: Decimal | None) -> int | None:
+    return None if value is None else int(value)
+
+
+def _network(usage: dict[str, Decimal]) -> int | None:
+    """Interconnect bytes (``ic/ofed``, ``ic/sysfs``...: whichever interconnect plugin the site runs)."""
+    values = [v for k, v in usage.items() if k.startswith("ic/")]
+    return int(sum(values, Decimal(0))) if values else None
+
+
+def _step_reading(
+    cpu: Decimal | None, rss: int | None, usage_in: dict[str, Decimal], usage_out: dict[str, Decimal]
+) -> Reading:
+    """One step's measurements from its TRES usage (``TRESUsageInTot``/``TRESUsageOutTot``, or slurmdbd's lists).
+
+    ``energy`` is in every TRES list, as 0 where no ``acct_gather_energy`` plugin runs: 0 J means "not measured"
+    (no job that ran consumed no energy). ``fs/disk`` in is bytes read, out bytes written; ``ic/*`` in and out are
+    interconnect bytes received and sent.
+    """
+    energy = usage_in.get("energy")
+    return Reading(
+        cpu_time_seconds=cpu,
         memory_bytes_max=rss,
+        energy_joules=energy if energy else None,
+        network_bytes_in=_network(usage_in),
+        network_bytes_out=_network(usage_out),
+        disk_bytes_read=_count(usage_in.get("fs/disk")),
+        disk_bytes_written=_count(usage_out.get("fs/disk")),
     )
 
 
-def _max_metrics(a: UsageMetrics, b: UsageMetrics) -> UsageMetrics:
-    values: dict[str, object] = {}
-    for name in UsageMetrics.model_fields:
-        x, y = getattr(a, name), getattr(b, name)
-        values[name] = y if x is None else x if y is None else max(x, y)
-    return UsageMetrics.model_validate(values)
+def _acct_step(step: p.AcctStep) -> Reading:
+    return _step_reading(step.total_cpu_seconds, step.max_rss_bytes, step.usage_in, step.usage_out)
+
+
+def _live_step(step: p.LiveStep) -> Reading:
+    return _step_reading(step.usage_in.get("cpu"), step.max_rss_bytes, step.usage_in, step.usage_out)
+
+
+def _allocated(alloc: dict[str, Decimal]) -> Allocated:
+    """Slurm's allocation (``AllocTRES``): nodes, CPUs, memory bytes and GPUs (``gres/gpu``, or the sum of its
+    typed forms ``gres/gpu:a100`` when only those are accounted). Storage is not a Slurm resource."""
+    gpus = alloc.get("gres/gpu")
+    if gpus is None:
+        typed = [v for k, v in alloc.items() if k.startswith("gres/gpu:")]
+        gpus = sum(typed, Decimal(0)) if typed else None
+    return Allocated(
+        nodes=_count(alloc.get("node")),
+        cpus=_count(alloc.get("cpu")),
+        gpus=_count(gpus),
+        memory_bytes=_count(alloc.get("mem")),
+    )
+
+
+def _job_reading(
+    steps: list[Reading], elapsed: Decimal, alloc: dict[str, Decimal], *, taken_at: datetime | None
+) -> Reading:
+    """A job's reading: its steps' measurements summed (peak memory: the largest), Slurm's elapsed time and
+    allocation. A quantity no step measured stays ``None``."""
+
+    def total(name: str) -> Decimal | None:
+        values = [getattr(s, name) for s in steps if getattr(s, name) is not None]
+        return sum(values, Decimal(0)) if values else None
+
+    peaks = [s.memory_bytes_max for s in steps if s.memory_bytes_max]
+    # Steps overlap in time on the same nodes (the batch and extern steps last the whole job): their energy
+    # readings cannot be added up. The job's own figure replaces this once accounting has it.
+    energies = [s.energy_joules for s in steps if s.energy_joules is not None]
+    counts = {
+        name: None if (value := total(name)) is None else int(value)
+        for name in ("network_bytes_in", "network_bytes_out", "disk_bytes_read", "disk_bytes_written")
+    }
+    return Reading(
+        wall_clock_seconds=elapsed,
+        taken_at=taken_at,
+        allocated=_allocated(alloc),
+        cpu_time_seconds=total("cpu_time_seconds") or Decimal(0),
+        memory_bytes_max=max(peaks) if peaks else None,
+        energy_joules=max(energies) if energies else None,
+        **counts,
+    )

@@ -551,7 +551,15 @@ class PyslurmBackend(SlurmBackend):
             user=str(getattr(job, "user_name", "") or ""),
             name=str(job.name or ""),
             comment=str(getattr(job, "comment", "") or ""),
-            steps=[p.AcctStep(step_id="job", max_rss_bytes=int(rss) if rss else None)],
+            # pyslurm sums the steps itself: one pseudo-step carries the job's CPU time and peak memory.
+            steps=[
+                p.AcctStep(
+                    step_id="job",
+                    state=str(job.state or ""),
+                    total_cpu_seconds=Decimal(cpu) if cpu else Decimal(0),
+                    max_rss_bytes=int(rss) if rss else None,
+                )
+            ],
         )
 
     async def accounting(self, job_ids: Sequence[str], *, steps: bool) -> list[p.AcctJob]:

@@ -602,9 +602,9 @@ def parse_rest_db_jobs(body: Mapping[str, Any]) -> list[AcctJob]:
             )
             statistics = _obj(raw_step.get("statistics"))
             consumed = _number(_obj(statistics.get("energy")).get("consumed"))
-            energy += Decimal(
-                max(consumed or 0, 0)
-            )  # unmeasured energy is 0 or a sentinel, never negative use
+            # Unmeasured energy is 0 or a sentinel, never negative use. Steps overlap in time on the same nodes
+            # (batch, extern): the largest reading is the job's, a sum would count the same joules twice.
+            energy = max(energy, Decimal(max(consumed or 0, 0)))
         exit_code = _db_exit(raw.get("exit_code"))
         if exit_code == 0 and (state.split() or [""])[0] in (
             "FAILED",

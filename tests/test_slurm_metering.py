@@ -1,0 +1,196 @@
+"""Every metric Slurm's accounting has reaches the usage records: the adapter's readings of each shape of ``sacct`` and
+``sstat`` output (``tests/golden/slurm/metering``: captured on the local cluster, and composed for sites with
+energy, GPU and interconnect accounting), metered by the one metering function.
+
+The adapter runs for real on top of a backend that answers with those outputs, parsed by the real parsers from
+the exact field lists the adapter asks Slurm for: what is under test is everything from Slurm's bytes to a record's
+metrics. The same path against the live cluster is in ``test_slurm_adapter.py`` and ``test_slurm_pipeline.py``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from datetime import UTC, datetime
+from decimal import Decimal
+from pathlib import Path
+
+from activities.schedulers.slurm import SlurmAdapter
+from activities.schedulers.slurm import parsers as p
+from activities.schedulers.slurm.backends import ClusterInfo, SlurmBackend
+from activities.schedulers.slurm.base import Backoff
+from activities.schedulers.slurm.script import SubmitPlan
+from virtengine_hpc.config import SlurmConfig
+from virtengine_hpc.metering import Reading, meter
+from virtengine_hpc.models import Allocation, Resources
+
+GOLDEN = Path(__file__).parent / "golden" / "slurm" / "metering"
+MiB = 1024 * 1024
+
+
+def golden(name: str) -> str:
+    return (GOLDEN / name).read_text()
+
+
+class GoldenBackend(SlurmBackend):
+    """Answers the adapter's usage questions with golden output: the controller holds ``queued`` (running
+    jobs), accounting holds what ``sacct`` printed, ``sstat`` what it printed."""
+
+    description = "golden output"
+
+    def __init__(self, sacct: str, sstat: str = "", queued: Sequence[p.QueueJob] = ()) -> None:
+        super().__init__()
+        self.sacct, self.sstat, self.queued = sacct, sstat, list(queued)
+
+    async def cluster_info(self) -> ClusterInfo:
+        return ClusterInfo(cluster_name="localcluster")
+
+    async def submit(self, plan: SubmitPlan) -> str:
+        raise AssertionError("not submitted")
+
+    async def queue(self, job_ids: Sequence[str]) -> list[p.QueueJob]:
+        return [job for job in self.queued if job.job_id in job_ids]
+
+    async def queue_by_names(self, names: Sequence[str]) -> list[p.QueueJob]:
+        return []
+
+    async def accounting(self, job_ids: Sequence[str], *, steps: bool) -> list[p.AcctJob]:
+        return [job for job in p.parse_sacct(self.sacct) if job.job_id in job_ids]
+
+    async def accounting_by_names(self, names: Sequence[str]) -> list[p.AcctJob]:
+        return []
+
+    async def live_steps(self, job_id: str) -> list[p.LiveStep] | None:
+        return [step for step in p.parse_sstat(self.sstat)]
+
+    async def cancel(self, job_ids: Sequence[str]) -> None:
+        raise AssertionError("not cancelled")
+
+    async def node_busy(self, node: str) -> bool:
+        return False
+
+
+def adapter(backend: GoldenBackend) -> SlurmAdapter:
+    return SlurmAdapter(
+        backend,
+        cluster_id="golden",
+        config=SlurmConfig(cluster_name="localcluster"),
+        backoff=Backoff(max_retries=0),
+        verify_cluster=False,
+    )
+
+
+def running(job_id: str, elapsed: int, alloc: str) -> p.QueueJob:
+    return p.QueueJob(
+        job_id=job_id,
+        state="RUNNING",
+        start_time=datetime(2026, 12, 1, tzinfo=UTC),
+        elapsed_seconds=elapsed,
+        alloc_tres=p.parse_tres(alloc, usage=False),
+    )
+
+
+# ---- what the local cluster has: CPU, memory, disk; no energy plugin -------------------------------------------
+
+
+async def test_a_finished_jobs_disk_bytes_and_cpu_come_from_its_steps() -> None:
+    usage = await adapter(GoldenBackend(golden("sacct_io_and_exit3.txt"))).usage("8")
+    assert usage.final
+    reading = usage.reading
+    assert reading.wall_clock_seconds == 4
+    assert reading.cpu_time_seconds == Decimal("0.711")  # .batch 0.014 + .0 0.697 s
+    assert reading.memory_bytes_max == 4075520
+    assert (reading.disk_bytes_read, reading.disk_bytes_written) == (8253 + 50360385, 1 + 50331649)
+    assert reading.energy_joules is None, "energy=0 with no energy plugin is 'not measured', never 0 J"
+    assert reading.network_bytes_in is None and reading.network_bytes_out is None
+    assert reading.allocated.memory_bytes == 256 * MiB and reading.allocated.cpus == 1
+    assert reading.taken_at == usage.end_time == datetime.fromtimestamp(1796147398, UTC)
+
+    metered = meter(reading, Resources(memory_mb_per_node=256))
+    m = metered.metrics
+    assert (m.disk_bytes_read, m.disk_bytes_written) == (50368638, 50331650)
+    assert m.memory_gb_seconds == Decimal("1.073742")  # 268435456 B / 10^9 x 4 s
+    assert m.cpu_core_seconds == 4 and m.cpu_time_seconds == Decimal("0.711")
+    assert metered.basis["disk_bytes_read"] == "measured" and "energy_joules" not in metered.basis
+
+
+async def test_a_job_that_failed_at_once_started_and_ran_for_no_time() -> None:
+    """``exit 3`` at once: Start = End, 0 s, but an allocation. The job ran: its status says when it started
+    (so the workflow sends its final record), and it is metered at 0 s."""
+    slurm = adapter(GoldenBackend(golden("sacct_io_and_exit3.txt")))
+    status = (await slurm.status_batch(["9"]))["9"]
+    started = datetime.fromtimestamp(1796147397, UTC)
+    assert (status.state.value, status.exit_code, status.start_time) == ("failed", 3, started)
+    usage = await slurm.usage("9")
+    assert usage.final and usage.start_time == started and usage.reading.wall_clock_seconds == 0
+    assert meter(usage.reading, Resources()).metrics.cpu_core_seconds == 0
+
+
+async def test_a_running_jobs_disk_bytes_come_from_sstat() -> None:
+    backend = GoldenBackend("", golden("sstat_io_running.txt"), [running("8", 3, "cpu=1,mem=256M,node=1")])
+    usage = await adapter(backend).usage("8")
+    assert not usage.final
+    reading = usage.reading
+    assert (reading.wall_clock_seconds, reading.disk_bytes_read) == (3, 8253 + 50360385)
+    assert reading.disk_bytes_written == 1 + 50331649 and reading.memory_bytes_max == 4075520
+    assert reading.allocated.memory_bytes == 256 * MiB
+
+
+# ---- sites with energy, GPU and interconnect accounting (composed shapes) ----------------------------------------
+
+
+async def test_energy_gpus_and_interconnect_of_a_finished_job_reach_its_metrics() -> None:
+    usage = await adapter(GoldenBackend(golden("sacct_site_gpu_energy_ofed.txt"))).usage("731")
+    reading = usage.reading
+    assert usage.final and reading.wall_clock_seconds == 600
+    assert reading.allocated.model_dump() == {
+        "nodes": 2,
+        "cpus": 64,
+        "gpus": 4,
+        "memory_bytes": 512000 * MiB,
+        "storage_gb": None,
+    }
+    assert reading.energy_joules == 1803000, "the job's ConsumedEnergyRaw: steps overlap, their sum would not"
+    assert reading.network_bytes_in == 4096 + 64424509440
+    assert reading.network_bytes_out == 8192 + 64424509440
+    assert reading.disk_bytes_read == 10485760 + 21474836480
+    assert reading.disk_bytes_written == 2097152 + 4294967296
+    assert reading.cpu_time_seconds == Decimal("14380.5")  # 2.1 + 0 + 3:59:38.4
+    assert reading.memory_bytes_max == 34359738368
+
+    asked = Resources(nodes=2, tasks_per_node=32, memory_mb_per_node=256000, gpus_per_node=2, storage_gb=100)
+    metered = meter(reading, asked)
+    m = metered.metrics
+    assert metered.allocation == Allocation(
+        nodes=2, cpus=64, gpus=4, memory_bytes=512000 * MiB, storage_gb=100
+    )
+    assert (m.gpu_seconds, m.node_hours, m.cpu_core_seconds) == (2400, Decimal("0.333333"), 38400)
+    assert m.memory_gb_seconds == Decimal("322122.547200")  # 536870912000 B / 10^9 x 600 s
+    assert m.storage_gb_hours == Decimal("16.666667")  # Slurm allocates no storage: the request stands
+    assert (m.energy_joules, m.network_bytes_in) == (Decimal(1803000), 64424513536)
+    assert {metered.basis[k] for k in ("energy_joules", "network_bytes_out", "cpu_time_seconds")} == {
+        "measured"
+    }
+
+
+async def test_only_typed_gpus_are_counted_and_a_zero_energy_reading_is_no_reading() -> None:
+    usage = await adapter(GoldenBackend(golden("sacct_site_gpu_energy_ofed.txt"))).usage("732")
+    assert usage.reading.allocated.gpus == 2  # gres/gpu:v100=2, with no untyped gres/gpu
+    assert usage.reading.energy_joules is None
+    metered = meter(usage.reading, Resources(tasks_per_node=8, memory_mb_per_node=64000, gpus_per_node=2))
+    assert metered.metrics.gpu_seconds == 240
+
+
+async def test_a_running_jobs_energy_gpus_and_interconnect_come_from_sstat() -> None:
+    alloc = "billing=64,cpu=64,gres/gpu:a100=4,gres/gpu=4,mem=512000M,node=2"
+    backend = GoldenBackend("", golden("sstat_site_gpu_energy_ofed.txt"), [running("731", 200, alloc)])
+    reading = (await adapter(backend).usage("731")).reading
+    assert reading.wall_clock_seconds == 200 and reading.allocated.gpus == 4
+    assert reading.energy_joules == 601000  # the extern step's: it spans the job on every node
+    assert reading.network_bytes_in == 4096 + 21474836480 and reading.network_bytes_out == 8192 + 21474836480
+    assert reading.cpu_time_seconds == 1 + 4792  # 00:00:01 + 01:19:52
+    # The final reading that follows is higher in every measured quantity: records are never negative.
+    final = (await adapter(GoldenBackend(golden("sacct_site_gpu_energy_ofed.txt"))).usage("731")).reading
+    for name in Reading.model_fields:
+        value = getattr(reading, name)
+        if isinstance(value, int | Decimal):
+            assert getattr(final, name) >= value, name

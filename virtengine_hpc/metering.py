@@ -1,0 +1,232 @@
+"""One metering path: a scheduler's raw reading of a job in, the quantities of its usage records out.
+
+Every scheduler adapter (local executor, SLURM over any transport, MOAB, Open OnDemand through either) reports the
+same thing, a ``Reading``: the job's run time as the scheduler clocked it, the allocation the scheduler says it
+holds, and what the scheduler measured it using (CPU time, memory, energy, network and disk bytes), cumulative
+since the job started, each figure raw and in the scheduler's base unit (seconds, bytes, joules). ``meter`` alone
+turns a reading into a record's metrics, the same way for all of them and in one unit system: seconds, hours, and
+GB = 10^9 bytes.
+
+The billing rule (``docs/pricing.md``), the one HPC centres apply: what is priced is the **allocation held for the
+run time** (node-hours, core-seconds, GPU-seconds, memory GB-seconds, storage GB-hours), whether or not the job
+used it. The allocation priced is the one the job asked for (what its quote priced), lowered to what the scheduler
+actually allocated where the scheduler says so: a job is never billed for more than it was quoted, nor for what it
+did not get. What the job measurably used is carried beside it, never priced, so that a tenant sees both; each
+record says which figure is which (``basis``).
+"""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta
+from decimal import ROUND_CEILING, Decimal
+
+from pydantic import Field
+
+from virtengine_hpc.models import Allocation, Basis, Model, Resources, UsageMetrics
+from virtengine_hpc.usage import QUANTUM, normalize_metrics
+
+GB = Decimal(10**9)
+HOUR = Decimal(3600)
+
+#: What each metric of a record is: the scheduler's measurement, or the allocation times the run time.
+BASIS: dict[str, Basis] = {
+    "wall_clock_seconds": "measured",
+    "node_hours": "allocated",
+    "cpu_core_seconds": "allocated",
+    "gpu_seconds": "allocated",
+    "memory_gb_seconds": "allocated",
+    "storage_gb_hours": "allocated",
+    "cpu_time_seconds": "measured",
+    "memory_used_gb_seconds": "measured",
+    "memory_bytes_max": "measured",
+    "energy_joules": "measured",
+    "network_bytes_in": "measured",
+    "network_bytes_out": "measured",
+    "disk_bytes_read": "measured",
+    "disk_bytes_written": "measured",
+}
+
+
+class Allocated(Model):
+    """The allocation as the scheduler reports it; ``None`` where it does not say (the request then stands)."""
+
+    nodes: int | None = Field(None, ge=0)
+    cpus: int | None = Field(None, ge=0)
+    gpus: int | None = Field(None, ge=0)
+    memory_bytes: int | None = Field(None, ge=0)
+    storage_gb: int | None = Field(None, ge=0)
+
+
+class Reading(Model):
+    """A scheduler's cumulative figures for one job, raw, in base units; ``None``: not measured there."""
+
+    wall_clock_seconds: Decimal = Field(
+        Decimal(0), ge=0, description="Run time so far as the scheduler clocks it (suspended time excluded)."
+    )
+    taken_at: datetime | None = Field(
+        None, description="The moment the figures describe (a sample's time, a query's, the job's end)."
+    )
+    allocated: Allocated = Field(default_factory=Allocated)
+    cpu_time_seconds: Decimal | None = Field(None, ge=0, description="CPU time used, user + system.")
+    memory_byte_seconds: Decimal | None = Field(
+        None, ge=0, description="Resident memory integrated over time."
+    )
+    memory_bytes_max: int | None = Field(None, ge=0, description="Peak resident memory.")
+    energy_joules: Decimal | None = Field(None, ge=0)
+    network_bytes_in: int | None = Field(None, ge=0)
+    network_bytes_out: int | None = Field(None, ge=0)
+    disk_bytes_read: int | None = Field(None, ge=0)
+    disk_bytes_written: int | None = Field(None, ge=0)
+
+
+class Metered(Model):
+    """A reading metered: cumulative metrics (rounded to micro-units), the allocation they priced, their basis."""
+
+    metrics: UsageMetrics
+    allocation: Allocation
+    basis: dict[str, Basis]
+
+
+def priced_allocation(requested: Resources, allocated: Allocated) -> Allocation:
+    """What the job asked for, lowered to what the scheduler allocated where it reports an allocation."""
+    asked = Allocation.of(requested)
+    values = {}
+    for name in Allocation.model_fields:
+        given = getattr(allocated, name)
+        values[name] = getattr(asked, name) if given is None else min(getattr(asked, name), given)
+    return Allocation.model_validate(values)
+
+
+def meter(reading: Reading, requested: Resources) -> Metered:
+    """The record metrics of ``reading`` for a job that asked for ``requested`` (``docs/usage-records.md``)."""
+    allocation = priced_allocation(requested, reading.allocated)
+    wall = reading.wall_clock_seconds
+    metrics = UsageMetrics(
+        wall_clock_seconds=wall,
+        node_hours=allocation.nodes * wall / HOUR,
+        cpu_core_seconds=allocation.cpus * wall,
+        gpu_seconds=allocation.gpus * wall,
+        memory_gb_seconds=allocation.memory_bytes * wall / GB,
+        storage_gb_hours=allocation.storage_gb * wall / HOUR,
+        cpu_time_seconds=reading.cpu_time_seconds,
+        memory_used_gb_seconds=(
+            None if reading.memory_byte_seconds is None else reading.memory_byte_seconds / GB
+        ),
+        memory_bytes_max=reading.memory_bytes_max,
+        energy_joules=reading.energy_joules,
+        network_bytes_in=reading.network_bytes_in,
+        network_bytes_out=reading.network_bytes_out,
+        disk_bytes_read=reading.disk_bytes_read,
+        disk_bytes_written=reading.disk_bytes_written,
+    )
+    return Metered(metrics=normalize_metrics(metrics), allocation=allocation, basis=basis_of(metrics))
+
+
+def basis_of(metrics: UsageMetrics) -> dict[str, Basis]:
+    """The basis of every metric ``metrics`` carries (those not ``None``)."""
+    return {name: BASIS[name] for name in BASIS if getattr(metrics, name) is not None}
+
+
+def period_end(period_start: datetime, wall_clock_seconds: Decimal, taken_at: datetime) -> datetime:
+    """Where a record's period ends: when its reading was taken, and never before ``period_start`` plus the run
+    time the record claims, so that no record claims more wall-clock time than its period lasts.
+
+    The run time is the scheduler's, the period's bounds ours; the two agree but for rounding (whole seconds) and
+    the lag between when a job started and when a poll first saw it, which this absorbs.
+    """
+    claimed = (wall_clock_seconds * 1_000_000).to_integral_value(rounding=ROUND_CEILING)
+    return max(taken_at, period_start + timedelta(microseconds=int(claimed)))
+
+
+def highest(a: Reading, b: Reading) -> Reading:
+    """Field by field the higher of two readings of one running job (the later one's time and allocation).
+
+    A running job's figures never go down, but the sources behind them can for a moment (a step that just ended
+    is in neither ``sstat`` nor, for a few seconds, ``sacct``): readings are kept monotone with this.
+    """
+    values: dict[str, object] = {"taken_at": a.taken_at, "allocated": a.allocated}
+    for name in Reading.model_fields:
+        if name in values:
+            continue
+        x, y = getattr(a, name), getattr(b, name)
+        values[name] = y if x is None else x if y is None else max(x, y)
+    return Reading.model_validate(values)
+
+
+# ---- reconciliation: a job's records against the scheduler's own accounting ------------------------------------
+
+#: Relative tolerance of ``reconcile``: 1 % of the scheduler's figure.
+RELATIVE_TOLERANCE = Decimal("0.01")
+#: Absolute floors for measured figures: a second of CPU, a MiB of memory, a joule, a KiB of traffic.
+_MEASURED_FLOOR: dict[str, Decimal] = {
+    "cpu_time_seconds": Decimal(1),
+    "memory_used_gb_seconds": Decimal(2**20) / GB,
+    "memory_bytes_max": Decimal(2**20),
+    "energy_joules": Decimal(1),
+    "network_bytes_in": Decimal(1024),
+    "network_bytes_out": Decimal(1024),
+    "disk_bytes_read": Decimal(1024),
+    "disk_bytes_written": Decimal(1024),
+}
+
+
+class MetricCheck(Model):
+    """One metric of a job: what its records add up to, what the scheduler's accounting says, and whether the
+    difference is within tolerance (``None`` on either side: not measured there)."""
+
+    metric: str
+    records: Decimal | None
+    scheduler: Decimal | None
+    tolerance: Decimal
+    ok: bool
+
+    @property
+    def difference(self) -> Decimal | None:
+        if self.records is None or self.scheduler is None:
+            return None
+        return self.records - self.scheduler
+
+
+def one_second_of(metric: str, allocation: Allocation) -> Decimal:
+    """What one second of run time adds to a priced metric: the scheduler's clocks tick in whole seconds."""
+    per_second = {
+        "wall_clock_seconds": Decimal(1),
+        "node_hours": allocation.nodes / HOUR,
+        "cpu_core_seconds": Decimal(allocation.cpus),
+        "gpu_seconds": Decimal(allocation.gpus),
+        "memory_gb_seconds": allocation.memory_bytes / GB,
+        "storage_gb_hours": allocation.storage_gb / HOUR,
+    }
+    return per_second.get(metric, _MEASURED_FLOOR.get(metric, Decimal(0)))
+
+
+def reconcile(
+    records: UsageMetrics, scheduler: Metered, *, metrics: tuple[str, ...] = tuple(BASIS)
+) -> list[MetricCheck]:
+    """Compare what a job's records add up to with the scheduler's own final accounting, metered the same way.
+
+    A metric agrees when the two differ by at most the larger of 1 % of the scheduler's figure and one second's
+    worth (priced metrics: the allocation for one second; measured ones: a second of CPU, a MiB, a joule, a KiB).
+    A figure one side has and the other lacks is a difference.
+    """
+    checks = []
+    for name in metrics:
+        ours, theirs = getattr(records, name), getattr(scheduler.metrics, name)
+        floor = one_second_of(name, scheduler.allocation).quantize(QUANTUM, rounding=ROUND_CEILING)
+        if ours is None or theirs is None:
+            tolerance = floor
+            ok = ours is None and theirs is None
+        else:
+            relative = (abs(Decimal(theirs)) * RELATIVE_TOLERANCE).quantize(QUANTUM, rounding=ROUND_CEILING)
+            tolerance = max(floor, relative)
+            ok = abs(Decimal(ours) - Decimal(theirs)) <= tolerance
+        checks.append(
+            MetricCheck(
+                metric=name,
+                records=None if ours is None else Decimal(ours),
+                scheduler=None if theirs is None else Decimal(theirs),
+                tolerance=tolerance,
+                ok=ok,
+            )
+        )
+    return checks
