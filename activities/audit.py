@@ -1,4 +1,4 @@
-"""The audit log: append-only JSON lines with a SHA-256 hash chain (DESIGN.md invariant 11).
+"""The audit log: append-only JSON lines with a SHA-256 hash chain (invariant 11 in docs/architecture.md).
 
 Each line is a JSON object with ``seq``, ``timestamp``, ``event_type``, ``category``, ``job_id``, ``cluster_id``,
 ``success``, ``severity``, ``error_msg``, ``details``, ``prev_hash`` and ``hash``, where

@@ -1,7 +1,7 @@
 """Activities of the job workflow: route, submit, watch, cancel, report transitions, report usage.
 
 All I/O of a job happens here, in methods of ``JobActivities`` whose dependencies (scheduler adapters per cluster,
-chain client, signer, audit log, config) are injected by the worker (STYLE.md item 4). Domain errors are translated
+chain client, signer, audit log, config) are injected by the worker. Domain errors are translated
 at this boundary into ``ApplicationError`` with ``type`` = the error class and ``non_retryable`` = not transient.
 Expected refusals (a malformed job, a routing rejection) are returned as outcomes, not raised, so the workflow can
 report them.

@@ -1,7 +1,7 @@
 """Activities of the node workflow: ledger writes, audit records, and drain/resume through the scheduler
 adapter.
 
-``NodeActivities`` gets its dependencies injected (STYLE.md item 4): the node ledger, the scheduler adapter of
+``NodeActivities`` gets its dependencies injected: the node ledger, the scheduler adapter of
 each cluster this worker serves (the same mapping the job activities get), and the audit log. Metadata updates
 from many node workflows are coalesced by ``MetadataBatcher`` into one ledger transaction per short window, so
 a provider with thousands of nodes writes to the chain in batches, while each node's workflow limits itself to

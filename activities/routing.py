@@ -1,6 +1,6 @@
 """The routing enforcer: checks a job's placement against the on-chain scheduling decision.
 
-Modes (seed 001, DESIGN.md invariant 7); the full table of mode x violation -> outcome is ``docs/routing.md``:
+Modes (invariant 7 in docs/architecture.md); the full table of mode x violation -> outcome is ``docs/routing.md``:
 
 * ``strict`` fails closed: a missing (when ``require_decision_for_submission``), stale, mismatched, unavailable,
   over-capacity or unauthorised-fallback decision rejects the job. ``allow_automatic_fallback`` lets it accept

@@ -636,7 +636,7 @@ class ChaosRun:
                 poller.stop()
             seconds = time.monotonic() - self.started
             if self.plan.slurm_jobs:
-                await asyncio.sleep(6)  # accounting lags the controller by ~5 s (ENVIRONMENT.md)
+                await asyncio.sleep(6)  # accounting lags the controller by ~5 s
             outcome = await self.verify(config, ledger, seconds)
             verified = True
             return outcome

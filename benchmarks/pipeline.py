@@ -6,7 +6,7 @@ The pipeline: N jobs through HPCJobWorkflow with its real activities (routing ag
 executor running a trivial script as a real process, signed usage, accounting and settlement). The baseline: N
 workflows that run the same number of trivial activities in sequence, on the same dev server and worker settings.
 Both are started all at once and awaited; rounds alternate so machine noise hits both. Prints jobs/s, the ratio,
-and history events per job. Target (DESIGN.md): ratio >= 0.8.
+and history events per job. Target: ratio >= 0.8.
 """
 
 from __future__ import annotations

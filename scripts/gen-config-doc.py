@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Write docs/configuration.md from the pydantic models in virtengine_hpc/config.py.
 
-The models are the one place where a key, its type, its default and its description live (STYLE.md item 8); this
+The models are the one place where a key, its type, its default and its description live; this
 script turns them into the operator's reference so that the two can never disagree. tests/test_config.py renders
 the document again and fails when the committed file differs.
 

@@ -1,8 +1,8 @@
 """Helpers of the node tests: a scheduler that records node drains, heartbeat builders, a node worker.
 
 The SLURM adapter's own drain/resume is tested against the real cluster by its suite; here the node lifecycle
-only needs to see which scheduler calls it made, so ``RecordingNodeScheduler`` records them (STYLE.md item 9,
-third level) and can pretend jobs still run on a node for a number of checks.
+only needs to see which scheduler calls it made, so ``RecordingNodeScheduler`` records them (the third level of
+scheduler testing: workflow tests with a small in-memory adapter) and can pretend jobs still run on a node for a number of checks.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Crash recovery from workflow replay: SIGKILL real worker processes while real local jobs run.
 
-Promise (DESIGN.md invariants 2 and 6): a new worker finishes every job; exactly one scheduler job per chain job;
+Promise (invariants 2 and 6 in docs/architecture.md): a new worker finishes every job; exactly one scheduler job per chain job;
 usage sequences gapless and unique; one ``is_final`` record per job; the ledger's settlement is right.
 """
 

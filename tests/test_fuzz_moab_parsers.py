@@ -1,7 +1,7 @@
 """Hostile MOAB output: ``showq --xml``, ``checkjob --xml``, ``msub`` and MOAB Web Services JSON, garbled on
 purpose, must give records or the parsers' ``ParseError``, and the adapter above them nothing but ``HPCError``.
 
-The same promise as ``test_fuzz_parsers.py`` makes for SLURM (DESIGN.md invariants 5 and 12): unexpected output
+The same promise as ``test_fuzz_parsers.py`` makes for SLURM (invariants 5 and 12 in docs/architecture.md): unexpected output
 is a failed query, retried, never a crash, a hang, or usage that prices below zero. The XML comes from a
 generator that writes MOAB's layout with tricky attribute values, from the hand-written layouts of
 ``tests/test_moab_parsers.py`` cut and mutated at random places, and from XML attacks (entity expansion, external

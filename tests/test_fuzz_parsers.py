@@ -1,7 +1,7 @@
 """Hostile scheduler output: every SLURM parser and the adapter above them, fed garbage, truncated and mutated
 captures, must answer with records or a typed error, never another exception and never a hang.
 
-Promise (DESIGN.md invariants 5 and 12): a scheduler that prints something unexpected (a truncated line after a
+Promise (invariants 5 and 12 in docs/architecture.md): a scheduler that prints something unexpected (a truncated line after a
 dropped SSH channel, a field in a format we did not ask for, Unicode digits, a timestamp beyond 2038 by a
 thousand years, a JSON document of the wrong shape) costs one failed query, which the watch treats as "no news"
 and retries. It must not crash a worker with a ``ValueError`` from deep inside ``int()`` or ``datetime``.

@@ -396,7 +396,7 @@ async def test_history_grows_by_about_six_events_per_report_cycle(pipe: Pipeline
     (fixed, one), (events, records) = await asyncio.gather(run(3600), run(0.5))
     assert one == 1 and records >= 6
     per_cycle = (events - fixed) / (records - 1)
-    # The watch activity carries the report: ~6 events per cycle (DESIGN.md allows about 12).
+    # The watch activity carries the report: ~6 events per cycle (the budget is at most 12).
     assert per_cycle <= 7, (
         f"{events} events for {records} records; {fixed} for a job without periodic reports"
     )

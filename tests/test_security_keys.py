@@ -1,4 +1,4 @@
-"""Keys and host keys (DESIGN.md invariants 8 and 10), checked on the real processes and the real sshd.
+"""Keys and host keys (invariants 8 and 10 in docs/architecture.md), checked on the real processes and the real sshd.
 
 * A private key file that group or others may read is refused before it is used: by the worker process (the
   provider's signing key from ``PROVIDER_SIGNING_KEY_PATH``), also through a symlink, and by ``hpc-node-agent``

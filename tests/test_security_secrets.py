@@ -1,4 +1,4 @@
-"""Secrets never leave the environment (DESIGN.md invariant 8), checked by looking everywhere they could end up.
+"""Secrets never leave the environment (invariant 8 in docs/architecture.md), checked by looking everywhere they could end up.
 
 A real worker process (``virtengine-hpc worker run --poller``, JSON logs at DEBUG) serves three clusters of one
 provider: the local executor, MOAB through MOAB Web Services (the simulator behind HTTPS, which the worker

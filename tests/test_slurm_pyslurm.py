@@ -1,6 +1,6 @@
 """The optional pyslurm transport against the local cluster.
 
-No pyslurm release on PyPI matches Slurm 22.05 (ENVIRONMENT.md section 3), so these tests skip wherever pyslurm is
+No pyslurm release on PyPI matches Slurm 22.05, so these tests skip wherever pyslurm is
 not installed, which includes this project's CI. A site whose Slurm matches a pyslurm release installs it and runs
 them against its own cluster: the configuration must say ``transport: pyslurm``.
 """

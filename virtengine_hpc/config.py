@@ -6,7 +6,7 @@ Durations are written ``500ms``, ``15s``, ``5m``, ``24h``, ``1h30m`` or as plain
 and say why; the reference of every key is ``docs/configuration.md``, generated from these models by
 ``scripts/gen-config-doc.py``.
 
-Credentials never come from the file (DESIGN.md invariant 8): they are read only from ``SLURM_JWT_TOKEN``,
+Credentials never come from the file (invariant 8 in docs/architecture.md): they are read only from ``SLURM_JWT_TOKEN``,
 ``MOAB_USERNAME``, ``MOAB_PASSWORD``, ``OOD_OIDC_CLIENT_SECRET`` and ``PROVIDER_SIGNING_KEY_PATH``, and a
 configuration (file or override) that holds a credential-like key at any depth is refused. Only worker-side
 code reads configuration; workflows get what they need in their input.

@@ -1,7 +1,7 @@
 """Domain exceptions.
 
 Adapters and clients raise these; the activity boundary translates them into Temporal ``ApplicationError`` with
-``type`` = the class name and ``non_retryable = not transient`` (STYLE.md item 7). A workflow never sees a plain
+``type`` = the class name and ``non_retryable = not transient``. A workflow never sees a plain
 exception.
 """
 

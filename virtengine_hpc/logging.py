@@ -7,7 +7,7 @@ activity get the same context from ``activity.info()``. For a job workflow the w
 so those lines carry ``job_id`` too. The Temporal core's own log lines are forwarded here as well
 (``workers/metrics.make_runtime``), so nothing bypasses the format.
 
-Only messages and ids are logged: no message of this project carries a credential (DESIGN.md invariant 8).
+Only messages and ids are logged: no message of this project carries a credential (invariant 8 in docs/architecture.md).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The one-model-in, one-model-out messages of the job workflow and its activities (STYLE.md item 3).
+"""The one-model-in, one-model-out messages of the job workflow and its activities.
 
 Everything a workflow needs arrives in its input (settings derived from the worker's config), so workflows never
 read configuration, clocks or the environment. Adding a field with a default is a compatible change; removing or

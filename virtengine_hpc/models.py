@@ -1,7 +1,7 @@
 """Domain models: jobs, clusters, priced queues, scheduling decisions, usage records.
 
 Every string a tenant controls is validated here against a strict pattern before anything else sees it
-(DESIGN.md invariant 9): identifiers, partitions, environment names, paths. Amounts and usage quantities are
+(invariant 9 in docs/architecture.md): identifiers, partitions, environment names, paths. Amounts and usage quantities are
 ``Decimal`` so that sums are exact (no float drift in settlement).
 """
 
@@ -311,7 +311,7 @@ class Allocation(Model):
 
 
 class UsageRecord(Model):
-    """A signed usage record (DESIGN.md invariant 6); the canonical form is in ``docs/usage-records.md``."""
+    """A signed usage record (invariant 6 in docs/architecture.md); the canonical form is in ``docs/usage-records.md``."""
 
     record_id: str = Field(pattern=r"^[A-Za-z0-9._:-]+/[A-Za-z0-9._:-]+/[0-9]+$")
     job_id: Identifier

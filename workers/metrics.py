@@ -12,7 +12,7 @@ The project's counters are fed without touching the activities:
 * **scheduler calls** (``instrument_adapter``): submit, status, cancel and usage calls of each adapter are timed
   into one histogram by cluster, operation and outcome;
 * **status queries** (``watch_batchers``): the ``queries`` and ``failures`` counts of each cluster's
-  ``StatusBatcher``, read at scrape time (DESIGN.md invariant 4: one query per poll interval per worker);
+  ``StatusBatcher``, read at scrape time (invariant 4 in docs/architecture.md: one query per poll interval per worker);
 * **jobs by state** (``refresh_job_gauge``): counts of running job workflows per cluster and state from
   Temporal's visibility store, every ``metrics.jobs_refresh_interval`` (the provider's view: every worker
   reports the same numbers, so aggregate with ``max``);

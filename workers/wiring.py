@@ -1,6 +1,6 @@
 """Builds the real dependencies of a worker from its config: Temporal client, chain, adapters, signer, audit.
 
-The only place that turns configuration into live objects; activities receive them ready-made (STYLE.md item 4).
+The only place that turns configuration into live objects; activities receive them ready-made.
 A worker may serve several clusters (``hpc.clusters``): it gets one adapter per served cluster, and routing knows
 every cluster of the provider, so a job can be routed to a cluster whose task queue another worker runs.
 """

@@ -8,7 +8,7 @@ Operators drain, resume and deregister through the ``command`` update (``virteng
 drain|resume|deregister``); a draining node becomes drained once the scheduler reports no job on it.
 ``deregistered`` is terminal.
 
-History stays bounded (DESIGN.md invariant 3): one timer covers the liveness deadline and is re-armed only
+History stays bounded (invariant 3 in docs/architecture.md): one timer covers the liveness deadline and is re-armed only
 when it fires (a heartbeat moves the deadline without touching the timer), metadata goes to the chain at most
 once per ``metadata_interval`` plus once per state change, and the workflow continues as new past
 ``max_history_events`` or when Temporal suggests it. Everything the workflow must remember travels in

@@ -4,7 +4,7 @@ Adapters are plain async classes with injected configuration; activities call th
 exceptions (``virtengine_hpc.errors``) into Temporal errors. The contract, which the adapter test-suites check:
 
 * ``submit`` is idempotent by ``workflow_id``: the scheduler job carries the workflow id (job name or comment), and
-  a retried submit first looks the job up and adopts it (DESIGN.md invariant 2). A request that names the job an
+  a retried submit first looks the job up and adopts it (invariant 2 in docs/architecture.md). A request that names the job an
   earlier attempt heartbeated (``known_job_id``) adopts it without a lookup; a first attempt
   (``first_attempt``) submits without one. ``on_submitted`` hears the new job's id the moment the scheduler
   answers. Adapters whose jobs can be duplicated (two attempts racing) then reconcile: of the jobs carrying the

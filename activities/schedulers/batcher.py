@@ -1,6 +1,6 @@
 """Coalesces status requests of all watching activities into one scheduler query per poll interval.
 
-DESIGN.md invariant 4: with 1,000 active jobs on a cluster a worker asks the scheduler once per interval, not 1,000
+invariant 4 in docs/architecture.md: with 1,000 active jobs on a cluster a worker asks the scheduler once per interval, not 1,000
 times. Every ``watch`` activity of a worker registers the jobs it follows here and awaits the next round; one task
 per adapter runs ``status_batch`` over the union of the ids at most once per interval and hands each waiter its
 job's status (or the error, which is not a state change).

@@ -1,8 +1,8 @@
 """The ``local`` scheduler: runs a job's batch script as a process group on this host (the default).
 
 Each job has a directory ``<state_dir>/jobs/<scheduler job id>``, the id being ``local-`` plus 20 hex digits
-of the SHA-256 of the workflow id, so a retried submit finds the job from the workflow id alone (DESIGN.md
-invariant 2). The directory holds ``job.sh`` (``#!/bin/bash`` + the body, mode 0700, run as ``bash <path>``:
+of the SHA-256 of the workflow id, so a retried submit finds the job from the workflow id alone (invariant 2 in
+docs/architecture.md). The directory holds ``job.sh`` (``#!/bin/bash`` + the body, mode 0700, run as ``bash <path>``:
 the script never travels through a shell command line), ``meta.json`` (workflow id, job summary, limits, the
 rendered environment), ``stdout``, ``stderr``, and ``status.json``, which a detached supervisor process
 (``activities/schedulers/local_supervisor.py``) rewrites atomically as the job moves and as usage is sampled.

@@ -1,5 +1,5 @@
 """The shared base of batch-scheduler adapters (SLURM, MOAB): what every such adapter must get right once, so each
-scheduler only contributes command builders, parsers and a state table (STYLE.md item 5).
+scheduler only contributes command builders, parsers and a state table.
 
 * **Running commands.** A ``CommandRunner`` (local processes, SSH) runs argv lists (never a shell string) with a
   timeout; ``CommandExecutor`` turns a failure into a ``SchedulerError`` that carries the command, exit code, stdout

@@ -3,7 +3,7 @@ validated plan (resources, walltime, environment) every scheduler's script build
 
 The workflow id is in the job name (``vehpc-<workflow id>``) and, where the scheduler keeps one, in the comment, so
 that a retried submit finds the job an earlier attempt made (``find``) and adopts it instead of submitting again
-(DESIGN.md invariant 2). Environment values become ``export NAME='value'`` lines quoted with ``shlex.quote``.
+(invariant 2 in docs/architecture.md). Environment values become ``export NAME='value'`` lines quoted with ``shlex.quote``.
 """
 
 from __future__ import annotations

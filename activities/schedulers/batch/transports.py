@@ -4,7 +4,7 @@ the verified TLS context of its HTTPS services (MOAB Web Services, an OIDC provi
 ``SSHRunner`` keeps one paramiko connection (key auth, host key checked against known_hosts with ``RejectPolicy``)
 and opens a channel per command; every argument is ``shlex``-quoted, the script goes on the channel's stdin.
 ``TCP_NODELAY`` on the socket removes the Nagle/delayed-ACK stall that otherwise costs ~40 ms per command
-(ENVIRONMENT.md: 20 -> ~200 commands/s). The environment the commands need (``SLURM_TIME_FORMAT``,
+(measured on the project machine: 20 -> ~200 commands/s). The environment the commands need (``SLURM_TIME_FORMAT``,
 ``MOABHOMEDIR``, ...) is passed as ``env K=V`` words of the one quoted command line, because a non-interactive SSH
 session reads no profile.
 """

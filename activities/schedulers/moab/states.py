@@ -1,4 +1,4 @@
-"""MOAB's native job states, hold reasons and completion codes, mapped to the nine job states (DESIGN.md invariant 5).
+"""MOAB's native job states, hold reasons and completion codes, mapped to the nine job states (invariant 5 in docs/architecture.md).
 
 One table, read by both transports (``showq``/``checkjob`` XML over SSH, MOAB Web Services JSON), so they can never
 disagree about what a native state means. An unknown state is logged and mapped to a non-final state, never a crash

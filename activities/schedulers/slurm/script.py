@@ -8,8 +8,8 @@ stay literal. The directives come first and the exports end the directive block,
 tenant's body are ignored by ``sbatch``: a tenant cannot change the partition, account or name it was priced for.
 
 The workflow id is in the job name (``vehpc-<workflow id>``) and in the comment (``batch/plan.py``), so that a retried
-submit finds the job an earlier attempt made (``find``) and adopts it instead of submitting again (DESIGN.md
-invariant 2).
+submit finds the job an earlier attempt made (``find``) and adopts it instead of submitting again (invariant 2 in
+docs/architecture.md).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Slurm's native job states and pending reasons, mapped to the nine job states (DESIGN.md invariant 5).
+"""Slurm's native job states and pending reasons, mapped to the nine job states (invariant 5 in docs/architecture.md).
 
 One table, read by every transport (``squeue``/``sacct`` text, slurmrestd JSON, pyslurm), so the CLI and REST paths
 can never disagree about what a native state means. Every state Slurm 22.05 documents is here, under its long name

@@ -5,7 +5,7 @@
 * ``SSHRunner`` keeps one paramiko connection (key auth, host key checked against known_hosts with
   ``RejectPolicy``) and opens a channel per command; every argument is ``shlex``-quoted, the script goes on the
   channel's stdin. ``TCP_NODELAY`` on the socket removes the Nagle/delayed-ACK stall that otherwise costs ~40 ms per
-  command (ENVIRONMENT.md: 20 -> ~200 commands/s).
+  command (measured on the project machine: 20 -> ~200 commands/s).
 * ``RestClient`` talks to slurmrestd with one keep-alive ``httpx`` pool, the JWT in ``X-SLURM-USER-TOKEN`` (never in
   a URL, a log line or an error).
 * ``load_pyslurm`` imports pyslurm if the site installed a release matching its Slurm (none on PyPI matches 22.05).
