@@ -1,8 +1,8 @@
 """One attempt of the ``submit_job`` activity in a process of its own, for the racing-attempts test.
 
-    python -m tests.racing_submit WORKFLOW_ID ATTEMPT BARRIER_DIR AUDIT_LOG KEY_FILE
+    python -m tests.racing_submit WORKFLOW_ID ATTEMPT BARRIER_DIR AUDIT_LOG KEY_FILE TRANSPORT
 
-Runs the real activity (real SLURM adapter over the local CLI, jobs held so they never run) as attempt ATTEMPT
+Runs the real activity (real SLURM adapter over TRANSPORT, jobs held so they never run) as attempt ATTEMPT
 with no heartbeat details, as a retry on another worker runs when its predecessor's heartbeats never arrived.
 Right before its ``sbatch`` it waits until the other process got there too (files in BARRIER_DIR), so both
 attempts submit: the race a timed-out attempt and its retry can run. Prints the activity's output as JSON.
@@ -35,9 +35,11 @@ async def barrier(directory: Path, me: str, parties: int = 2, timeout: float = 6
         await asyncio.sleep(0.02)
 
 
-async def main(workflow_id: str, attempt: int, barrier_dir: Path, audit_log: Path, key: Path) -> None:
+async def main(
+    workflow_id: str, attempt: int, barrier_dir: Path, audit_log: Path, key: Path, transport: str
+) -> None:
     env = sc.cluster()
-    adapter = sc.adapter(env, "cli", hold=True)
+    adapter = sc.adapter(env, transport, hold=True)
     real_submit = adapter.backend.submit
 
     async def submit_after_barrier(plan: Any) -> str:
@@ -66,5 +68,5 @@ async def main(workflow_id: str, attempt: int, barrier_dir: Path, audit_log: Pat
 
 
 if __name__ == "__main__":
-    wf, number, directory, audit, key_file = sys.argv[1:6]
-    asyncio.run(main(wf, int(number), Path(directory), Path(audit), Path(key_file)))
+    wf, number, directory, audit, key_file, transport = sys.argv[1:7]
+    asyncio.run(main(wf, int(number), Path(directory), Path(audit), Path(key_file), transport))

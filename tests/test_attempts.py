@@ -263,8 +263,9 @@ def controller_states(env: dict[str, Any], workflow: str) -> dict[str, str]:
 
 
 @pytest.mark.slurm
+@pytest.mark.parametrize("transport", sc.TRANSPORTS)
 async def test_two_attempts_racing_on_two_processes_leave_one_slurm_job(
-    tmp_path: Path, key_path: Path
+    tmp_path: Path, key_path: Path, transport: str
 ) -> None:
     """A timed-out attempt still submitting while its retry runs on another worker: both pass their lookups
     before either job exists and both run ``sbatch``. Each checks after its own submission; the oldest job is
@@ -288,6 +289,7 @@ async def test_two_attempts_racing_on_two_processes_leave_one_slurm_job(
                 str(barrier),
                 str(home / "audit.log"),
                 str(key_path),
+                transport,
             ],
             cwd=sc.REPO,
             stdout=subprocess.PIPE,
