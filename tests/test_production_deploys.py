@@ -74,3 +74,22 @@ async def test_an_unpatched_change_is_caught_by_replay() -> None:
     )
     assert result.replay_failure is not None
     assert "nondetermin" in str(result.replay_failure).lower()
+
+
+def test_workflow_code_that_differs_never_shares_the_default_build_id(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Versioned deploys are safe by default only if a build whose workflow code changed gets another id, whether
+    or not anybody bumped the package version (two builds under one id replay each other's jobs)."""
+    from virtengine_hpc import config as config_module
+    from virtengine_hpc.config import load_config
+
+    before = config_module.default_build_id()
+    assert before.startswith(config_module.package_version() + "+wf.")
+    changed = tmp_path / "hpc_job.py"
+    changed.write_text("# a workflow change\n")
+    sources = config_module._workflow_sources()
+    monkeypatch.setattr(config_module, "_workflow_sources", lambda: [*sources, changed])
+    after = config_module.default_build_id()
+    assert after != before and after.startswith(config_module.package_version() + "+wf.")
+    assert load_config(data={}, env={}).temporal.build_id == after

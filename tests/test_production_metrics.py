@@ -27,7 +27,7 @@ from activities.chain.node_ledger import NodeLedger
 from tests.memory_adapter import MemoryAdapter, Script
 from tests.node_support import PROVIDER, SimulatedNode
 from tests.production_support import cluster_config, provider_ledger, scrape, submit, value, wait_result
-from virtengine_hpc.config import AuditConfig, NodesConfig, Secrets, package_version
+from virtengine_hpc.config import AuditConfig, NodesConfig, Secrets, default_build_id
 from virtengine_hpc.errors import HPCError
 from virtengine_hpc.messages import CancelRequest, JobStatusView
 from virtengine_hpc.node.lifecycle import NodeBeat, NodeRegistered
@@ -162,8 +162,8 @@ async def test_counters_after_a_known_run(
     names = {name for name, _ in s}
     assert any(n.startswith("temporal_") for n in names), sorted(names)[:20]
     assert any(n.startswith("temporal_workflow_completed") for n in names)
-    # Unset build_id: the package's version labels the worker.
-    assert value(s, "virtengine_hpc_worker_info", build_id=package_version(), clusters=A) == 1
+    # Unset build_id: the package version and the workflow code digest label the worker.
+    assert value(s, "virtengine_hpc_worker_info", build_id=default_build_id(), clusters=A) == 1
     # The poller and its reconciler (run by this process): four starts, none failed, nothing left behind.
     assert value(s, "virtengine_hpc_poller_starts_total", cluster=A) == 4
     assert value(s, "virtengine_hpc_poller_start_failures_total", cluster=A) == 0

@@ -36,7 +36,7 @@ from activities.chain.local_ledger import LocalLedger
 from tests.conftest import binary
 from tests.memory_adapter import MemoryAdapter, Script
 from tests.production_support import cluster_config, provider_ledger, submit, wait_result
-from virtengine_hpc.config import Config, Secrets, load_config, package_version
+from virtengine_hpc.config import Config, Secrets, default_build_id, load_config, package_version
 from virtengine_hpc.messages import JOB_WORKFLOW_NAME, JobRef, JobResult, JobWorkflowInput
 from virtengine_hpc.models import JobSpec, spec_digest
 from virtengine_hpc.states import JobState
@@ -517,12 +517,13 @@ async def test_a_job_left_on_a_stopped_build_is_moved_by_an_override(
 def test_workers_are_versioned_and_pinned_by_default() -> None:
     config = load_config(data={"provider": {"address": "virtengine1provider0test"}}, env={})
     assert config.temporal.deployment_name == "virtengine-hpc"
-    assert config.temporal.build_id == package_version() != ""
+    assert config.temporal.build_id == default_build_id()
+    assert default_build_id().startswith(package_version() + "+wf.")
     assert config.temporal.promote_first_build
     deployment = deployment_config(config.temporal)
     assert deployment is not None and deployment.use_worker_versioning
     assert deployment.version.deployment_name == "virtengine-hpc"
-    assert deployment.version.build_id == package_version()
+    assert deployment.version.build_id == default_build_id()
     assert deployment.default_versioning_behavior == VersioningBehavior.PINNED
     unversioned = load_config(data={"temporal": {"deployment_name": None}}, env={})
     assert deployment_config(unversioned.temporal) is None

@@ -14,7 +14,9 @@ code reads configuration; workflows get what they need in their input.
 
 from __future__ import annotations
 
+import hashlib
 import importlib.metadata
+import importlib.util
 import math
 import os
 import re
@@ -568,6 +570,26 @@ def package_version() -> str:
         return "0+unknown"
 
 
+def default_build_id() -> str:
+    """The build id a worker uses unless one is configured: the package version and a digest of the code that
+    decides what a workflow does (``workflows/`` and the messages and states it carries), so two builds whose
+    workflow code differs never share an id even when nobody bumped the version."""
+    digest = hashlib.sha256()
+    for path in _workflow_sources():
+        digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+    return f"{package_version()}+wf.{digest.hexdigest()[:12]}"
+
+
+def _workflow_sources() -> list[Path]:
+    here = Path(__file__).resolve().parent
+    found = [here / "messages.py", here / "states.py", here / "models.py"]
+    spec = importlib.util.find_spec("workflows")
+    if spec is not None and spec.submodule_search_locations:
+        for location in spec.submodule_search_locations:
+            found.extend(sorted(Path(location).glob("*.py")))
+    return [path for path in found if path.is_file()]
+
+
 class TemporalConfig(Section):
     """Where the workers find Temporal. An API key, if any, comes from the variable named in api_key_env."""
 
@@ -612,8 +634,9 @@ class TemporalConfig(Section):
         None,
         pattern=r"^[A-Za-z0-9._+-]{1,200}$",
         description="This build's id: its version in the Worker Deployment, and a label of its metrics, logs and "
-        "audit records. Unset: the installed virtengine-hpc package's version. Workers whose workflow code "
-        "differs must never share a build id.",
+        "audit records. Unset: the installed virtengine-hpc package's version and a digest of its workflow code "
+        "(<version>+wf.<12 hex>), so builds whose workflow code differs never share an id. Set it only to ids "
+        "that keep that rule.",
     )
     promote_first_build: bool = Field(
         True,
@@ -626,7 +649,7 @@ class TemporalConfig(Section):
     @classmethod
     def _build_id_from_the_package(cls, data: Any) -> Any:
         if isinstance(data, Mapping) and data.get("build_id") is None:
-            return {**data, "build_id": package_version()}
+            return {**data, "build_id": default_build_id()}
         return data
 
     @model_validator(mode="after")
