@@ -25,7 +25,7 @@ import yaml
 
 from activities.audit import read_events, verify_log
 from activities.chain.local_ledger import LocalLedger
-from virtengine_hpc.config import Config, load_config, package_version
+from virtengine_hpc.config import Config, default_build_id, load_config
 from virtengine_hpc.models import Cluster, Partition, PricedQueue, Pricing
 from virtengine_hpc.signing import Signer, public_key_b64, write_private_key
 from virtengine_hpc.states import JobState
@@ -67,8 +67,9 @@ def demo_config_data(base: Path, temporal_address: str) -> dict[str, Any]:
             "address": temporal_address,
             "task_queue": "virtengine-hpc-demo",
             # A deployment per build: the demo's first worker makes its build current (promote_first_build),
-            # also when the dev server still holds the deployment of an earlier build's demo.
-            "deployment_name": "virtengine-hpc-demo-" + re.sub(r"[^A-Za-z0-9._-]", "-", package_version()),
+            # also when the dev server still holds the deployment of an earlier build's demo (the default build id
+            # changes with the workflow code, so each build gets its own demo deployment).
+            "deployment_name": "virtengine-hpc-demo-" + re.sub(r"[^A-Za-z0-9._-]", "-", default_build_id()),
         },
         "provider": {"address": PROVIDER},
     }
