@@ -625,7 +625,7 @@ class TemporalConfig(Section):
     )
     deployment_name: str | None = Field(
         "virtengine-hpc",
-        pattern=r"^[A-Za-z0-9._-]{1,200}$",
+        pattern=r"^[A-Za-z0-9_-]{1,200}$",  # Temporal refuses a '.' in a deployment name
         description="Worker Deployment the workers belong to (worker versioning, docs/deploys.md): each build is "
         "a version of it, a job stays on the build that started it and moves to the current build at its next "
         "continue-as-new. null: unversioned workers (upgrades then rely on patching alone).",

@@ -68,8 +68,9 @@ def demo_config_data(base: Path, temporal_address: str) -> dict[str, Any]:
             "task_queue": "virtengine-hpc-demo",
             # A deployment per build: the demo's first worker makes its build current (promote_first_build),
             # also when the dev server still holds the deployment of an earlier build's demo (the default build id
-            # changes with the workflow code, so each build gets its own demo deployment).
-            "deployment_name": "virtengine-hpc-demo-" + re.sub(r"[^A-Za-z0-9._-]", "-", default_build_id()),
+            # changes with the workflow code, so each build gets its own demo deployment; Temporal refuses a '.' in a
+            # deployment name).
+            "deployment_name": "virtengine-hpc-demo-" + re.sub(r"[^A-Za-z0-9_-]", "-", default_build_id()),
         },
         "provider": {"address": PROVIDER},
     }
