@@ -10,6 +10,8 @@ recovery run after an operator terminated a workflow.
 from __future__ import annotations
 
 import asyncio
+import json
+import sys
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -313,8 +315,30 @@ async def test_a_cancel_the_scheduler_refuses_for_good_parks_the_job_until_an_op
 # ---- accounting that cannot be sent ------------------------------------------------------------------------------
 
 
+async def cli(p: Pipeline, tmp_path: Path, *args: str) -> tuple[int, str]:
+    """Run ``virtengine-hpc`` as an operator would, against the test's Temporal server; (exit code, stdout)."""
+    config = tmp_path / "operator.yaml"
+    address = p.client.service_client.config.target_host
+    config.write_text(
+        json.dumps(
+            {
+                "hpc": {"cluster_id": p.cluster_id},
+                "provider": {"address": p.config.provider.address},
+                "temporal": {"address": address, "deployment_name": None},
+            }
+        )
+    )
+    exe = Path(sys.executable).parent / "virtengine-hpc"
+    proc = await asyncio.create_subprocess_exec(
+        str(exe), "-c", str(config), *args, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT
+    )
+    out, _ = await asyncio.wait_for(proc.communicate(), 60)
+    assert proc.returncode is not None
+    return proc.returncode, out.decode()
+
+
 async def test_accounting_that_cannot_be_sent_parks_the_job_visibly_and_a_retry_settles_it(
-    faulty: Pipeline,
+    faulty: Pipeline, tmp_path: Path
 ) -> None:
     sched(faulty).default = Script([(0, Q), (0.2, R), (1.5, C)], exit_code=0)
     chain(faulty).refuse_accounting = ChainError("accounting rejected: totals mismatch", transient=False)
@@ -337,9 +361,15 @@ async def test_accounting_that_cannot_be_sent_parks_the_job_visibly_and_a_retry_
     assert "totals mismatch" in parked["error_msg"]
 
     chain(faulty).refuse_accounting = None
-    await faulty.handle(job_id).execute_update("retry_parked", RetryRequest(), result_type=JobStatusView)
+    # What an operator types: the parked job is listed, and `jobs retry` sends it on.
+    listed = await cli(faulty, tmp_path, "jobs", "list", "--state", "parked")
+    assert listed[0] == 0 and job_id in listed[1] and "parked" in listed[1]
+    retried = await cli(faulty, tmp_path, "jobs", "retry", job_id, "--note", "chain fixed")
+    assert retried[0] == 0, retried
     result = await asyncio.wait_for(faulty.handle(job_id).result(), 60)
     assert result.state == C and result.charged is not None
+    again = await cli(faulty, tmp_path, "jobs", "retry", job_id)
+    assert again == (1, f"error: job {job_id}: workflow execution already completed\n"), "a one-line refusal"
     assert faulty.ledger.settlement(job_id) is not None
     assert [r.is_final for r in faulty.ledger.usage_records(job_id)].count(True) == 1
 

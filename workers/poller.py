@@ -27,6 +27,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from pydantic import ValidationError as PydanticValidationError
 from temporalio.client import Client, WorkflowExecutionStatus, WorkflowHandle
@@ -201,15 +202,7 @@ class ChainPoller:
             return False
         job_id = inp.job.job_id
         try:
-            await self.client.start_workflow(
-                JOB_WORKFLOW_NAME,
-                inp,
-                id=job_id,
-                task_queue=self.task_queue,
-                id_reuse_policy=WorkflowIDReusePolicy.REJECT_DUPLICATE,
-                id_conflict_policy=WorkflowIDConflictPolicy.FAIL,
-                search_attributes=initial_search_attributes(inp),
-            )
+            await self._start_workflow(inp)
         except WorkflowAlreadyStartedError:
             await self._already_started(chain_job, stats)
             return False
@@ -226,6 +219,25 @@ class ChainPoller:
             extra={"job_id": job_id, "workflow_id": job_id, "cluster_id": self.cluster_id},
         )
         return True
+
+    async def _start_workflow(self, inp: JobWorkflowInput, *, cancel: CancelRequest | None = None) -> None:
+        """Start the job's workflow (workflow id = chain job id, never a second run); with ``cancel``, as
+        signal-with-start: a run that exists by now gets the cancel instead."""
+        extra: dict[str, Any] = {}
+        if cancel is not None:
+            extra = {"start_signal": "cancel", "start_signal_args": [cancel]}
+        await self.client.start_workflow(
+            JOB_WORKFLOW_NAME,
+            inp,
+            id=inp.job.job_id,
+            task_queue=self.task_queue,
+            id_reuse_policy=WorkflowIDReusePolicy.REJECT_DUPLICATE,
+            id_conflict_policy=(
+                WorkflowIDConflictPolicy.USE_EXISTING if cancel is not None else WorkflowIDConflictPolicy.FAIL
+            ),
+            search_attributes=initial_search_attributes(inp),
+            **extra,
+        )
 
     async def _accept(self, chain_job: ChainJob, stats: PollStats) -> JobWorkflowInput | None:
         """The workflow input of a job, or None when the job is refused (failed on chain with the reason).
@@ -406,17 +418,7 @@ class ChainPoller:
         if inp is None:
             return True  # refused on chain (failed, refunded)
         try:
-            await self.client.start_workflow(
-                JOB_WORKFLOW_NAME,
-                inp,
-                id=job_id,
-                task_queue=self.task_queue,
-                id_reuse_policy=WorkflowIDReusePolicy.REJECT_DUPLICATE,
-                id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,
-                search_attributes=initial_search_attributes(inp),
-                start_signal="cancel",
-                start_signal_args=[CancelRequest(reason="cancelled by the tenant")],
-            )
+            await self._start_workflow(inp, cancel=CancelRequest(reason="cancelled by the tenant"))
         except WorkflowAlreadyStartedError:
             return False  # a run closed meanwhile: the reconciler's case, next round
         self.audit.record(

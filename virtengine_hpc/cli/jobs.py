@@ -100,34 +100,30 @@ async def _result(config: Config, job_id: str) -> int:
 
 
 async def _cancel(config: Config, job_id: str, reason: str) -> int:
+    return await _update(config, job_id, "request_cancel", CancelRequest(reason=reason))
+
+
+async def _retry(config: Config, job_id: str, note: str) -> int:
+    return await _update(config, job_id, "retry_parked", RetryRequest(note=note))
+
+
+async def _update(config: Config, job_id: str, update: str, request: CancelRequest | RetryRequest) -> int:
+    """Send a workflow update and print the job's status; a refusal (its validator's reason) exits 1."""
     from temporalio.client import WorkflowUpdateFailedError
+    from temporalio.service import RPCError
 
     from workers.wiring import connect
 
     client = await connect(config)
     try:
         view = await client.get_workflow_handle(job_id).execute_update(
-            "request_cancel", CancelRequest(reason=reason), result_type=JobStatusView
+            update, request, result_type=JobStatusView
         )
     except WorkflowUpdateFailedError as exc:
         print(f"error: {exc.cause}")
         return 1
-    print_json(view)
-    return 0
-
-
-async def _retry(config: Config, job_id: str, note: str) -> int:
-    from temporalio.client import WorkflowUpdateFailedError
-
-    from workers.wiring import connect
-
-    client = await connect(config)
-    try:
-        view = await client.get_workflow_handle(job_id).execute_update(
-            "retry_parked", RetryRequest(note=note), result_type=JobStatusView
-        )
-    except WorkflowUpdateFailedError as exc:
-        print(f"error: {exc.cause}")
+    except RPCError as exc:  # no such workflow, or it already ended: nothing to cancel or retry
+        print(f"error: job {job_id}: {exc.message}")
         return 1
     print_json(view)
     return 0
