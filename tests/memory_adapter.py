@@ -1,4 +1,4 @@
-"""A small in-memory scheduler for workflow tests (STYLE.md item 9, third level).
+"""A small in-memory scheduler for workflow tests (the third level of scheduler testing).
 
 The real adapters are tested against real schedulers (local processes, SLURM); this one lets workflow tests script
 a job's life precisely: each job follows a list of (seconds after submit, state) steps, usage grows linearly while

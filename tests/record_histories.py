@@ -1,7 +1,7 @@
 """Record workflow histories for the replay test: ``python -m tests.record_histories``.
 
 Run it when a release is cut (and commit ``tests/histories/*.json``): every later change to the workflow code must
-still replay these, or jobs already running in production would break on deploy (STYLE.md item 11). Existing files
+still replay these, or jobs already running in production would break on deploy. Existing files
 are kept; only missing scenarios are recorded, tagged with the current version.
 """
 

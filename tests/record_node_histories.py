@@ -2,7 +2,7 @@
 
 Run it when a release is cut and commit ``tests/histories/node/*.json``: every later change to ``workflows/node.py``
 must still replay them, or the node workflows already running in production (one per node, for months) would break
-on deploy (STYLE.md item 11). Existing files are kept; only missing scenarios are recorded.
+on deploy. Existing files are kept; only missing scenarios are recorded.
 """
 
 from __future__ import annotations

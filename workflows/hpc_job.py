@@ -3,7 +3,7 @@
 route (validate + routing enforcement) → submit → watch … (usage record every ``report_interval`` while running)
 → final usage record (``is_final``) + accounting → terminal status.
 
-Only orchestration lives here (DESIGN.md invariant 1): the clock is ``workflow.now()``, every side effect is an
+Only orchestration lives here (invariant 1 in docs/architecture.md): the clock is ``workflow.now()``, every side effect is an
 activity, and everything the workflow needs arrives in its input. Waiting happens inside the heartbeating
 ``watch_job`` activity, which returns only on a state change or when a report or deadline is due, so history grows
 by a few events per report period (invariant 3); the workflow continues as new when Temporal suggests it.
