@@ -88,7 +88,7 @@ class MemoryAdapter(SchedulerAdapter):
             raise SchedulerUnavailable("Socket timed out on send/recv operation")
         job_id = str(1000 + len(self.jobs))
         script = self.scripts.get(request.workflow_id, self.default)
-        self.jobs[job_id] = _Job(request.workflow_id, self.clock(), script)
+        self.jobs[job_id] = _Job(request.workflow_id, self.clock(), script, submitted_wall=self.wall())
         self.partitions[request.workflow_id] = request.partition
         self.walltimes[request.workflow_id] = request.job.walltime_seconds
         self.exclusive[request.workflow_id] = request.exclusive
@@ -132,7 +132,7 @@ class MemoryAdapter(SchedulerAdapter):
                 native_state=state.value.upper(),
                 reason=job.script.reason,
                 exit_code=job.script.exit_code if state.final else None,
-                start_time=job.run_start(time.monotonic() - job.submitted),
+                start_time=job.run_start(self.clock() - job.submitted),
             )
         return out
 
@@ -157,9 +157,10 @@ class MemoryAdapter(SchedulerAdapter):
                 ends.append(job.cancelled_at)
             end = min(ends) if ends else end
         seconds = Decimal(str(round(max(0.0, end - started), 3)))
+        at = self.wall() - timedelta(seconds=now - end)  # the moment the reading describes, on the wall clock
         return Accounting(
             scheduler_job_id=scheduler_job_id,
             final=state.final,
-            reading=Reading(wall_clock_seconds=seconds, cpu_time_seconds=seconds * 2),
-            end_time=self.wall() - timedelta(seconds=now - end) if state.final else None,
+            reading=Reading(wall_clock_seconds=seconds, cpu_time_seconds=seconds * 2, taken_at=at),
+            end_time=at if state.final else None,
         )

@@ -268,13 +268,15 @@ def check_gapless_usage(job: LongJob, key_path: Path) -> None:
     assert all(verify_record(r, public) for r in records)
     for earlier, later in itertools.pairwise(records):
         assert later.period_start == earlier.period_end, f"gap before record {later.sequence}"
-    # (to the millisecond: the in-memory scheduler reads its clock and the wall clock one after the other)
+    # (to a few milliseconds: the in-memory scheduler reads its clock and the wall clock one after the other and
+    # rounds run times to the millisecond, and no period is shorter than the run time its record claims)
     ends_at = abs(records[-1].period_end - job.ended)
-    assert ends_at < timedelta(milliseconds=1), "the last period ends when the scheduler says the job ended"
+    assert ends_at < timedelta(milliseconds=5), "the last period ends when the scheduler says the job ended"
     total = sum_metrics([r.metrics for r in records])
     running = Decimal(int((job.ended - job.started).total_seconds()))
     assert total.wall_clock_seconds == running, "the records add up to the job's whole run"
-    assert total.cpu_core_seconds == 2 * running
+    assert total.cpu_core_seconds == running, "one core asked for, priced for the whole run"
+    assert total.cpu_time_seconds == 2 * running, "the CPU time the scheduler measured, shown beside it"
     settlement = job.ledger.settlement(job.result.job_id)
     assert settlement is not None, "the chain settled the job on its final accounting"
     assert settlement.charged + settlement.refunded == settlement.escrow
