@@ -347,9 +347,13 @@ def compute_charge(metrics: UsageMetrics, queue: PricedQueue) -> Decimal:
 
 
 def used_anything(metrics: UsageMetrics) -> bool:
-    """True when the job consumed something; only then does the queue's minimum charge apply."""
+    """True when the job consumed something; only then does the queue's minimum charge apply.
+
+    A job that ran for less than the scheduler's one-second resolution has no priced quantity (allocation x 0 s),
+    but CPU time the scheduler measured shows it ran: it pays the minimum charge like any job that ran.
+    """
     return any(
-        value > 0
+        value is not None and value > 0
         for value in (
             metrics.wall_clock_seconds,
             metrics.node_hours,
@@ -357,6 +361,7 @@ def used_anything(metrics: UsageMetrics) -> bool:
             metrics.gpu_seconds,
             metrics.memory_gb_seconds,
             metrics.storage_gb_hours,
+            metrics.cpu_time_seconds,
         )
     )
 
