@@ -1,5 +1,5 @@
 # virtengine-hpc: the two commands of the README, and the dev services.
-.PHONY: demo test down venv lint bench
+.PHONY: demo test down venv lint bench record-histories
 
 demo: ## set up, start Temporal dev server + worker + poller, run the sample jobs, print the summary
 	scripts/setup-venv.sh test
@@ -22,3 +22,7 @@ lint:
 
 bench:
 	.venv/bin/python benchmarks/pipeline.py
+
+record-histories: ## record the replay corpus of release RELEASE (x.y.z) into tests/histories/vRELEASE (refuses an existing one)
+	@test -n "$(RELEASE)" || { echo "usage: make record-histories RELEASE=0.3.0" >&2; exit 2; }
+	.venv/bin/python -m tests.record_histories --release "$(RELEASE)"

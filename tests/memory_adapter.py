@@ -64,6 +64,8 @@ class MemoryAdapter(SchedulerAdapter):
     status_queries: int = 0
     cancels: list[str] = field(default_factory=list)
     crash_after_submit: set[str] = field(default_factory=set)
+    lose_submit_answers: set[str] = field(default_factory=set)  # every submit answer lost (the job exists)
+    vanished: set[str] = field(default_factory=set)  # workflow ids whose job left the queue and accounting
     submit_delay: float = 0.0
     partitions: dict[str, str | None] = field(default_factory=dict)  # workflow id -> partition it was sent to
     walltimes: dict[str, int] = field(default_factory=dict)  # workflow id -> walltime it was submitted with
@@ -80,6 +82,8 @@ class MemoryAdapter(SchedulerAdapter):
         if self.submit_delay:
             await asyncio.sleep(self.submit_delay)
         existing = await self.find(request.workflow_id)
+        if existing is not None and request.workflow_id in self.lose_submit_answers:
+            raise SchedulerUnavailable("connection lost after the scheduler accepted the job")
         if existing is not None:
             return SubmitResult(scheduler_job_id=existing, adopted=True)
         if request.workflow_id in self.reject:
@@ -92,7 +96,7 @@ class MemoryAdapter(SchedulerAdapter):
         self.partitions[request.workflow_id] = request.partition
         self.walltimes[request.workflow_id] = request.job.walltime_seconds
         self.exclusive[request.workflow_id] = request.exclusive
-        if request.workflow_id in self.crash_after_submit:
+        if request.workflow_id in self.crash_after_submit | self.lose_submit_answers:
             self.crash_after_submit.discard(request.workflow_id)
             raise SchedulerUnavailable("connection lost after the scheduler accepted the job")
         if on_submitted is not None:
@@ -121,7 +125,7 @@ class MemoryAdapter(SchedulerAdapter):
             raise SchedulerUnavailable("slurm_load_jobs error: Unable to contact slurm controller")
         out = {}
         for jid in scheduler_job_ids:
-            job = self.jobs.get(jid)
+            job = self._job(jid)
             if job is None:
                 out[jid] = NativeStatus(scheduler_job_id=jid, found=False)
                 continue
@@ -142,8 +146,12 @@ class MemoryAdapter(SchedulerAdapter):
         if job is not None and job.cancelled_at is None:
             job.cancelled_at = self.clock()
 
-    async def usage(self, scheduler_job_id: str) -> Accounting:
+    def _job(self, scheduler_job_id: str) -> _Job | None:
         job = self.jobs.get(scheduler_job_id)
+        return None if job is None or job.workflow_id in self.vanished else job
+
+    async def usage(self, scheduler_job_id: str) -> Accounting:
+        job = self._job(scheduler_job_id)
         if job is None:
             raise JobNotFound(f"job {scheduler_job_id} not found")
         state, started = self._state(job)

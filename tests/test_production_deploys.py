@@ -1,8 +1,8 @@
 """Safe deploys (docs/deploys.md): a new release must never break a job that is already running.
 
-* The previous release's recorded job histories (``tests/histories/v0.1.0-*.json``: completed, failed, cancelled
-  while running, refused by routing) replay on this code with exactly the workflows the production worker
-  registers.
+* The previous release's recorded histories (the newest corpus under ``tests/histories/``: completed, failed,
+  cancelled while running, refused by routing, and from 0.3.0 on every other branch of the job workflow and the
+  node workflow's) replay on this code with exactly the workflows the production worker registers.
 * The check can fail: the same workflow with one unpatched change (an extra timer before routing) is refused
   by the replayer as non-deterministic, which is what CI would report.
 """
@@ -20,13 +20,13 @@ from temporalio.worker import Replayer
 
 from tests.memory_adapter import MemoryAdapter
 from tests.production_support import cluster_config
+from tests.replay_corpus import BRANCHES_SINCE_0_3, NODE_SCENARIOS, OUTCOMES, previous_release
 from virtengine_hpc.config import Secrets
 from virtengine_hpc.messages import JOB_WORKFLOW_NAME, JobResult, JobWorkflowInput
 from workers.wiring import build_worker_deps
 from workflows.hpc_job import HPCJobWorkflow
 
-HISTORIES = Path(__file__).parent / "histories"
-PREVIOUS = sorted(HISTORIES.glob("v0.1.0-*.json"))
+PREVIOUS = previous_release()
 
 
 @workflow.defn(name=JOB_WORKFLOW_NAME, sandboxed=False)  # this test module imports too much for the sandbox
@@ -50,24 +50,26 @@ def production_workflows(tmp_path: Path, key_path: Path) -> list[type]:
     return [HPCJobWorkflow, *deps.extra_workflows]
 
 
-def test_every_outcome_of_the_previous_release_is_recorded() -> None:
-    outcomes = {p.stem.removeprefix("v0.1.0-") for p in PREVIOUS}
-    assert {"completed", "failed", "cancelled-running", "routing-rejected"} <= outcomes
+def test_every_branch_of_the_previous_release_is_recorded() -> None:
+    expected = BRANCHES_SINCE_0_3 if PREVIOUS.version >= (0, 3, 0) else OUTCOMES
+    assert expected <= PREVIOUS.scenarios("job"), f"{PREVIOUS.release} misses some"
+    if PREVIOUS.version >= (0, 3, 0):
+        assert PREVIOUS.scenarios("node") >= NODE_SCENARIOS
 
 
-@pytest.mark.parametrize("path", PREVIOUS, ids=[p.stem for p in PREVIOUS])
+@pytest.mark.parametrize("history", PREVIOUS.histories(), ids=lambda h: h.workflow_id)
 async def test_previous_release_histories_replay_on_the_production_worker(
-    path: Path, tmp_path: Path, key_path: Path
+    history: WorkflowHistory, tmp_path: Path, key_path: Path
 ) -> None:
     replayer = Replayer(
         workflows=production_workflows(tmp_path, key_path), data_converter=pydantic_data_converter
     )
-    result = await replayer.replay_workflow(WorkflowHistory.from_json(path.stem, path.read_text()))
+    result = await replayer.replay_workflow(history, raise_on_replay_failure=False)
     assert result.replay_failure is None
 
 
 async def test_an_unpatched_change_is_caught_by_replay() -> None:
-    path = HISTORIES / "v0.1.0-completed.json"
+    path = PREVIOUS.path / "job-completed.json"
     replayer = Replayer(workflows=[UnpatchedChange], data_converter=pydantic_data_converter)
     result = await replayer.replay_workflow(
         WorkflowHistory.from_json(path.stem, path.read_text()), raise_on_replay_failure=False

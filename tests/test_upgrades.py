@@ -19,8 +19,6 @@ import itertools
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -29,21 +27,21 @@ from temporalio import workflow
 from temporalio.api.enums.v1 import WorkflowTaskFailedCause
 from temporalio.client import Client, WorkflowHistory
 from temporalio.common import VersioningBehavior
-from temporalio.worker import Worker
 
 from activities.audit import AuditLog
 from activities.chain.local_ledger import LocalLedger
 from tests.conftest import binary
 from tests.memory_adapter import MemoryAdapter, Script
 from tests.production_support import cluster_config, provider_ledger, submit, wait_result
+from tests.versioning_support import build_workers
 from virtengine_hpc.config import Config, Secrets, default_build_id, load_config, package_version
 from virtengine_hpc.messages import JOB_WORKFLOW_NAME, JobRef, JobResult, JobWorkflowInput
 from virtengine_hpc.models import JobSpec, spec_digest
 from virtengine_hpc.states import JobState
 from workers.poller import ChainPoller
 from workers.versioning import deployment_config, promote_first_build
-from workers.wiring import build_worker_deps, job_settings, task_queue
-from workers.worker import WorkerProcess, job_activities
+from workers.wiring import job_settings, task_queue
+from workers.worker import WorkerProcess
 from workflows.hpc_job import HPCJobWorkflow, initial_search_attributes
 
 Q, R, C = JobState.QUEUED, JobState.RUNNING, JobState.COMPLETED
@@ -173,37 +171,6 @@ def paused_first(history: WorkflowHistory) -> bool:
         if e.HasField("activity_task_scheduled_event_attributes"):
             return False
     return False
-
-
-@asynccontextmanager
-async def build_workers(
-    client: Client,
-    config: Config,
-    key_path: Path,
-    ledger: LocalLedger,
-    adapter: MemoryAdapter,
-    job_workflow: type,
-    build_id: str,
-) -> AsyncIterator[Worker]:
-    """One build's worker for the config's cluster (what a host running that release runs)."""
-    config = config.model_copy(update={"temporal": config.temporal.model_copy(update={"build_id": build_id})})
-    cluster = config.hpc.cluster_id
-    deps = build_worker_deps(
-        config, Secrets(provider_signing_key_path=key_path), chain=ledger, adapters={cluster: adapter}
-    )
-    worker = Worker(
-        client,
-        task_queue=task_queue(config),
-        workflows=[job_workflow, *deps.extra_workflows],
-        activities=[*job_activities(deps.activities), *deps.extra_activities],
-        deployment_config=deployment_config(config.temporal),
-        graceful_shutdown_timeout=timedelta(seconds=1),
-    )
-    try:
-        async with worker:
-            yield worker
-    finally:
-        await deps.close()
 
 
 async def start_job(client: Client, config: Config, ledger: LocalLedger, report_interval: float) -> str:

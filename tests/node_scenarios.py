@@ -1,33 +1,26 @@
-"""Record NodeWorkflow histories for the replay test: ``python -m tests.record_node_histories``.
+"""The NodeWorkflow scenarios of the replay corpus (recorded by ``tests/record_histories.py``).
 
-Run it when a release is cut and commit ``tests/histories/node/*.json``: every later change to ``workflows/node.py``
-must still replay them, or the node workflows already running in production (one per node, for months) would break
-on deploy. Existing files are kept; only missing scenarios are recorded.
+Every later change to ``workflows/node.py`` must still replay them, or the node workflows already running in
+production (one per node, for months) would break on deploy.
 """
 
 from __future__ import annotations
 
 import asyncio
-import tempfile
+import uuid
 from datetime import timedelta
 from pathlib import Path
 
 from temporalio.client import Client
-from temporalio.contrib.pydantic import pydantic_data_converter
-from temporalio.testing import WorkflowEnvironment
 
-from tests.conftest import binary
 from tests.node_support import RecordingNodeScheduler, beat, capacity, node_worker, quick_settings, wait_for
 from virtengine_hpc.node.heartbeat import NodePlacement
 from virtengine_hpc.node.lifecycle import NodeCommand, NodeState, NodeStatus, NodeWorkflowInput
 from virtengine_hpc.signing import Signer, public_key_b64
 from workflows.node import NodeWorkflow
 
-HISTORIES = Path(__file__).parent / "histories" / "node"
-VERSION = "v0.1.0"
 
-
-async def _lifecycle(client: Client, base: Path) -> str:
+async def lifecycle(client: Client, base: Path) -> str:
     """pending → active → stale → offline → active → draining → drained → active → deregistered."""
     async with node_worker(client, base, scheduler=RecordingNodeScheduler(busy_checks=1)) as h:
         key = public_key_b64(Signer.generate().public_key)
@@ -39,7 +32,7 @@ async def _lifecycle(client: Client, base: Path) -> str:
         handle = await client.start_workflow(
             NodeWorkflow.run,
             NodeWorkflowInput(cluster_id="c1", node_id="n1", settings=quick_settings()),
-            id="record-node-lifecycle",
+            id=f"record-node-lifecycle-{uuid.uuid4().hex[:8]}",
             task_queue=h.task_queue,
             start_signal="heartbeat",
             start_signal_args=[beat(1)],
@@ -59,7 +52,7 @@ async def _lifecycle(client: Client, base: Path) -> str:
         return (await handle.fetch_history()).to_json()
 
 
-async def _continued(client: Client, base: Path) -> str:
+async def continued(client: Client, base: Path) -> str:
     """A run that ends in continue-as-new after heartbeats and a metadata publish."""
     async with node_worker(client, base) as h:
         key = public_key_b64(Signer.generate().public_key)
@@ -68,7 +61,7 @@ async def _continued(client: Client, base: Path) -> str:
         handle = await client.start_workflow(
             NodeWorkflow.run,
             NodeWorkflowInput(cluster_id="c1", node_id="n2", settings=settings),
-            id="record-node-continued",
+            id=f"record-node-continued-{uuid.uuid4().hex[:8]}",
             task_queue=h.task_queue,
             start_signal="heartbeat",
             start_signal_args=[beat(1)],
@@ -81,24 +74,3 @@ async def _continued(client: Client, base: Path) -> str:
         history = await client.get_workflow_handle(handle.id, run_id=first_run).fetch_history()
         await client.get_workflow_handle(handle.id).terminate()
         return history.to_json()
-
-
-async def record() -> None:
-    HISTORIES.mkdir(parents=True, exist_ok=True)
-    env = await WorkflowEnvironment.start_local(
-        dev_server_existing_path=binary("temporal"), data_converter=pydantic_data_converter, ui=False
-    )
-    try:
-        for name, scenario in (("lifecycle", _lifecycle), ("continued", _continued)):
-            target = HISTORIES / f"{VERSION}-{name}.json"
-            if target.exists():
-                continue
-            with tempfile.TemporaryDirectory() as tmp:
-                target.write_text(await scenario(env.client, Path(tmp)))
-            print(f"recorded {target}")
-    finally:
-        await env.shutdown()
-
-
-if __name__ == "__main__":
-    asyncio.run(record())
