@@ -204,7 +204,12 @@ class WorkerProcess:
                     "build_id": config.temporal.build_id,
                 },
             )
-            log.info("worker for cluster %s on task queue %s", cluster_id, task_queue(config, cluster_id))
+            log.info(
+                "worker for cluster %s on task queue %s, build %s",
+                cluster_id,
+                task_queue(config, cluster_id),
+                config.temporal.build_id,
+            )
 
     async def _promote_first_build(self, client: Client) -> None:
         try:
