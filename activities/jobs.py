@@ -760,6 +760,11 @@ class JobActivities:
         taken = accounting.reading.taken_at if accounting is not None else None
         if accounting is not None and accounting.end_time is not None and request.is_final:
             taken = accounting.end_time
+        if taken is not None and not request.is_final:
+            # A period record covers the time up to now: a reading the scheduler took earlier (a stale status file
+            # of a supervisor that was restarted) must not end it in the past, or the next report is due at once
+            # and the workflow reports in a tight loop (found by the chaos test's worker kill).
+            taken = max(taken, datetime.now(UTC))
         end = period_end(request.period_start, metrics.wall_clock_seconds, taken or datetime.now(UTC))
         record = UsageRecord(
             record_id=rid,
