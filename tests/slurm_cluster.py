@@ -4,8 +4,10 @@ The cluster comes from ``temporal-dev/slurm-up.sh`` (``.dev/slurm/env.json`` des
 SLURM tests skip with a message saying how to start it, unless ``VEHPC_REQUIRE_SLURM=1`` (set by
 ``scripts/run-tests.sh`` when it started the cluster, i.e. in CI): then a missing cluster is a failure.
 
-Every test job's workflow id starts with ``slurmtest-`` (so its Slurm name with ``vehpc-slurmtest-``) and a random
-suffix, so no test ever adopts a job of an earlier run, and ``cancel_test_jobs`` can clean up by name prefix.
+Every test job's workflow id starts with ``slurmtest-<run>-`` (so its Slurm name with ``vehpc-slurmtest-<run>-``),
+where ``<run>`` is drawn once per test process (or set by ``VEHPC_TEST_RUN``), and ends in a random suffix: no test
+ever adopts a job of an earlier run, and ``cancel_test_jobs`` cleans up by name prefix without touching the jobs of
+another test run sharing the cluster (two checkouts tested at once on one machine).
 """
 
 from __future__ import annotations
@@ -32,7 +34,8 @@ from virtengine_hpc.models import JobSpec
 
 REPO = Path(__file__).resolve().parents[1]
 STATE = Path(os.environ.get("VEHPC_DEV_DIR", REPO / ".dev")) / "slurm"
-TEST_PREFIX = "slurmtest-"
+RUN = os.environ.get("VEHPC_TEST_RUN") or uuid.uuid4().hex[:6]
+TEST_PREFIX = f"slurmtest-{RUN}-"
 TRANSPORTS = ("cli", "ssh", "rest")
 
 _cached: dict[str, Any] | None = None

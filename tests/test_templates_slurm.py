@@ -23,6 +23,7 @@ import pytest
 from temporalio.client import Client
 
 from activities.schedulers.slurm import SlurmAdapter
+from tests import slurm_cluster as sc
 from tests.conftest import REPO, make_config
 from tests.pipeline_harness import Pipeline, running_pipeline
 from virtengine_hpc.config import Secrets
@@ -86,8 +87,8 @@ async def pipe(client: Client, tmp_path: Path, key_path: Path, task_queue: str) 
 
 
 def submit(p: Pipeline, **spec: Any) -> str:
-    # The slurmtest- prefix lets the SLURM tests' cleanup find leftovers by name.
-    return p.submit(job_id=f"slurmtest-tpl-{uuid.uuid4().hex[:10]}", **spec)
+    # The test prefix lets the SLURM tests' cleanup find leftovers by name.
+    return p.submit(job_id=sc.workflow_id("tpl"), **spec)
 
 
 def slurm_output(p: Pipeline, job_id: str, suffix: str = "out") -> str:
