@@ -372,6 +372,7 @@ class ChaosRun:
                     "cluster_id": self.local_id,
                     "scheduler_type": "local",
                     "local": {
+                        "allow_unisolated": True,  # the local executor runs only when a config opts in
                         "job_poll_interval": "1s",
                         "max_walltime": f"{self.plan.local_walltime:.0f}s",
                         "kill_wait": "2s",

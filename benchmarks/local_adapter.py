@@ -59,7 +59,9 @@ async def main() -> None:
     try:
         raw = raw_spawn_rate(50)
         adapter = LocalAdapter(
-            LocalSchedulerConfig(max_parallel_jobs=64, kill_wait="1s"), root / "a", "bench"
+            LocalSchedulerConfig(max_parallel_jobs=64, kill_wait="1s", allow_unisolated=True),
+            root / "a",
+            "bench",
         )
         started = time.perf_counter()
         ids = [(await adapter.submit(request(n, "true\n"))).scheduler_job_id for n in range(50)]
@@ -85,7 +87,11 @@ async def main() -> None:
         median, states = await timed_status(adapter, ids)
         print(f"status_batch({len(ids)}) of ended jobs: {median * 1000:.1f} ms median {dict(states)}")
 
-        live = LocalAdapter(LocalSchedulerConfig(max_parallel_jobs=16, kill_wait="1s"), root / "b", "bench")
+        live = LocalAdapter(
+            LocalSchedulerConfig(max_parallel_jobs=16, kill_wait="1s", allow_unisolated=True),
+            root / "b",
+            "bench",
+        )
         live_ids = [(await live.submit(request(n, "sleep 120\n"))).scheduler_job_id for n in range(args.live)]
         await asyncio.sleep(3)
         median, states = await timed_status(live, live_ids)

@@ -26,7 +26,7 @@ from activities.schedulers import local_supervisor as sup
 from activities.schedulers.base import NativeStatus, SubmitRequest, registered
 from activities.schedulers.local import JOB_PATH, LocalAdapter, scheduler_job_id
 from virtengine_hpc.config import LocalSchedulerConfig
-from virtengine_hpc.errors import JobNotFound, SubmissionRejected
+from virtengine_hpc.errors import ConfigError, JobNotFound, SubmissionRejected
 from virtengine_hpc.metering import GB, meter
 from virtengine_hpc.models import JobSpec, Resources
 from virtengine_hpc.states import FINAL_STATES, JobState
@@ -111,6 +111,7 @@ def make_adapter(tmp_path: Path) -> Iterator[Callable[..., LocalAdapter]]:
 
     def make(**config: Any) -> LocalAdapter:
         config.setdefault("kill_wait", "1s")
+        config.setdefault("allow_unisolated", True)
         return LocalAdapter(LocalSchedulerConfig(**config), state_dir, "test-cluster")
 
     yield make
@@ -119,6 +120,15 @@ def make_adapter(tmp_path: Path) -> Iterator[Callable[..., LocalAdapter]]:
 
 def test_registered_by_name() -> None:
     assert registered()["local"] is LocalAdapter
+
+
+def test_the_local_executor_does_not_start_without_the_opt_in(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"opts in with hpc\.local\.allow_unisolated: true") as refused:
+        LocalAdapter(LocalSchedulerConfig(), tmp_path / "state", "test-cluster")
+    assert "cluster test-cluster uses the local executor, which is no multi-tenant sandbox" in str(
+        refused.value
+    )
+    assert not (tmp_path / "state").exists(), "a refused executor leaves nothing behind"
 
 
 # ---- outcomes ----------------------------------------------------------------------------------------------
@@ -286,7 +296,7 @@ from virtengine_hpc.config import LocalSchedulerConfig
 from virtengine_hpc.models import JobSpec
 
 state, runs, crash, *workflow_ids = sys.argv[1:]
-adapter = LocalAdapter(LocalSchedulerConfig(), Path(state), "test-cluster")
+adapter = LocalAdapter(LocalSchedulerConfig(allow_unisolated=True), Path(state), "test-cluster")
 
 def die(*_args):
     os.kill(os.getpid(), signal.SIGKILL)

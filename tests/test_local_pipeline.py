@@ -4,13 +4,18 @@ processes, signed usage, settlement (what ``make demo`` shows, asserted)."""
 from __future__ import annotations
 
 import asyncio
+import os
+import subprocess
+import sys
 import uuid
 from collections.abc import AsyncIterator
 from decimal import Decimal
 from pathlib import Path
 
 import pytest
+import yaml
 from temporalio.client import Client
+from temporalio.testing import WorkflowEnvironment
 
 from activities.schedulers.local import LocalAdapter
 from tests.conftest import make_config
@@ -91,6 +96,34 @@ async def test_every_outcome_on_the_local_executor(pipe: Pipeline, key_path: Pat
     refund = pipe.ledger.settlement(jobs["rejected"])
     assert refund is not None and refund.charged == 0 and refund.refunded == refund.escrow
     assert pipe.ledger.balance(TENANT) > Decimal("100000") - Decimal("500")
+
+
+def test_a_worker_refuses_to_run_local_jobs_without_the_opt_in(
+    temporal_env: WorkflowEnvironment, tmp_path: Path, key_path: Path
+) -> None:
+    config = make_config(
+        tmp_path,
+        hpc={"local": {"allow_unisolated": False}},
+        temporal={"address": temporal_env.client.service_client.config.target_host},
+    )
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(config.model_dump(mode="json")))
+    env = {**os.environ, "PROVIDER_SIGNING_KEY_PATH": str(key_path)}
+    done = subprocess.run(
+        [str(Path(sys.executable).parent / "virtengine-hpc"), "-c", str(path), "worker", "run"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert (
+        "error: cluster local-cluster uses the local executor, which is no multi-tenant sandbox"
+        in done.stderr
+    )
+    assert "hpc.local.allow_unisolated: true" in done.stderr
+    assert "Traceback" not in done.stderr
+    assert not config.local_state_dir.exists(), "no job directory, no supervisor: nothing ran"
 
 
 def _bash_times(pipe: Pipeline, scheduler_job_id: str | None) -> Decimal:

@@ -402,6 +402,12 @@ class OODConfig(Section):
 class LocalSchedulerConfig(Section):
     """The embedded local executor: runs batch scripts as process groups on this host."""
 
+    allow_unisolated: bool = Field(
+        False,
+        description="Opt in to the local executor. It runs tenants' scripts on the worker's own host and is no "
+        "multi-tenant sandbox (docs/security.md says what does and does not isolate its jobs): it is for demos, "
+        "tests and single-tenant hosts. A worker that would run a local cluster without this refuses to start.",
+    )
     state_dir: Path | None = Field(None, description="Default: <state_store_path>/local-jobs.")
     max_parallel_jobs: int = Field(
         64, ge=1, le=10_000, description="Jobs running at once; the rest wait in the local queue."
@@ -475,7 +481,8 @@ class HPCConfig(Section):
     )
     scheduler_type: SchedulerType = Field(
         "local",
-        description="Which scheduler adapter runs this cluster's jobs: slurm, moab, ood or local (the embedded executor).",
+        description="Which scheduler adapter runs this cluster's jobs: slurm, moab, ood or local (the embedded "
+        "executor, for demos and single-tenant hosts: it runs only with hpc.local.allow_unisolated).",
     )
     cluster_id: str = Field(
         "local-cluster",

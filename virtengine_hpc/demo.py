@@ -60,7 +60,8 @@ def demo_config_data(base: Path, temporal_address: str) -> dict[str, Any]:
             "usage_reporting": {"report_interval": "5s", "batch_size": 50},
             "retry": {"max_retries": 3, "initial_backoff": "500ms", "max_backoff": "5s"},
             "audit": {"log_path": str(base / "audit.log")},
-            "local": {"job_poll_interval": "1s", "max_parallel_jobs": 8},
+            # The demo opts in to the local executor (no multi-tenant sandbox: docs/security.md).
+            "local": {"job_poll_interval": "1s", "max_parallel_jobs": 8, "allow_unisolated": True},
         },
         "routing": {"enforcement_mode": "strict"},
         "temporal": {

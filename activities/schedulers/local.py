@@ -1,4 +1,4 @@
-"""The ``local`` scheduler: runs a job's batch script as a process group on this host (the default).
+"""The ``local`` scheduler: runs a job's batch script as a process group on this host (demos, tests, one tenant).
 
 Each job has a directory ``<state_dir>/jobs/<scheduler job id>``, the id being ``local-`` plus 20 hex digits
 of the SHA-256 of the workflow id, so a retried submit finds the job from the workflow id alone (invariant 2 in
@@ -51,7 +51,13 @@ from activities.schedulers.base import (
     register,
 )
 from virtengine_hpc.config import Config, LocalSchedulerConfig, Secrets
-from virtengine_hpc.errors import JobNotFound, SchedulerError, SchedulerUnavailable, SubmissionRejected
+from virtengine_hpc.errors import (
+    ConfigError,
+    JobNotFound,
+    SchedulerError,
+    SchedulerUnavailable,
+    SubmissionRejected,
+)
 from virtengine_hpc.metering import Reading
 from virtengine_hpc.models import Resources
 from virtengine_hpc.states import JobState
@@ -106,6 +112,13 @@ class LocalAdapter(SchedulerAdapter):
     launch_timeout: float = 30.0
 
     def __init__(self, config: LocalSchedulerConfig, state_dir: Path, cluster_id: str) -> None:
+        if not config.allow_unisolated:
+            raise ConfigError(
+                f"cluster {cluster_id} uses the local executor, which is no multi-tenant sandbox: it runs only "
+                "when the configuration opts in with hpc.local.allow_unisolated: true (for demos, tests and "
+                "single-tenant hosts; docs/security.md). For tenants you do not trust, use hpc.scheduler_type "
+                "slurm, moab or ood."
+            )
         self.config = config
         self.cluster_id = cluster_id
         self.state_dir = Path(state_dir)
