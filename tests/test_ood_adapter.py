@@ -26,10 +26,10 @@ from virtengine_hpc.errors import (
     ConfigError,
     SchedulerUnavailable,
     SecurityError,
-    SubmissionRejected,
 )
 from virtengine_hpc.models import JobSpec
 from virtengine_hpc.states import JobState
+from virtengine_hpc.tenancy import TenantAccountError
 
 USERS = ("vehpcood1", "vehpcood2")
 ALICE, BOB, CAROL = "virtengine1tenant0alice", "virtengine1tenant0bob", "virtengine1tenant0carol"
@@ -74,7 +74,6 @@ def ood_config(cluster: ms.MoabCluster, idp: oidc.IdP, tmp: Path, **ood: Any) ->
         "oidc_users_claim": "ood_users",
         "ca_cert": str(cluster.ca.ca_cert),
         "underlying_scheduler": "moab",
-        "user_mapping": {ALICE: USERS[0], BOB: USERS[1], CAROL: "vehpcnobody"},
     }
     section.update(ood)
     return make_config(
@@ -85,6 +84,7 @@ def ood_config(cluster: ms.MoabCluster, idp: oidc.IdP, tmp: Path, **ood: Any) ->
             "retry": {"max_retries": 1, "initial_backoff": "100ms", "max_backoff": "200ms"},
             "moab": cluster.moab_section("ssh", ssh_user="placeholder"),
             "ood": section,
+            "tenants": {"accounts": {ALICE: USERS[0], BOB: USERS[1], CAROL: "vehpcnobody"}},
         },
     )
 
@@ -151,7 +151,9 @@ async def test_refusals_submit_nothing(
 ) -> None:
     before = len(cluster.moab.jobs)
     wf = ms.workflow_id("ood-refused")
-    with pytest.raises(SubmissionRejected, match="user_mapping"):
+    with pytest.raises(
+        TenantAccountError, match=r"has no cluster account: hpc\.tenants\.accounts does not name it"
+    ):
         await ood.submit(
             SubmitRequest(workflow_id=wf, job=ms.spec(wf, "true\n", tenant="virtengine1nobody0x"), body="x")
         )

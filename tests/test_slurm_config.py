@@ -35,13 +35,17 @@ def test_jwt_means_rest_and_needs_the_token_and_a_work_dir() -> None:
         SlurmAdapter.from_config(config(auth_method="jwt", work_dir="/jobs"), Secrets(), "c1")
     with pytest.raises(ConfigError, match="work_dir"):
         SlurmAdapter.from_config(config(auth_method="jwt"), Secrets(slurm_jwt_token=SecretStr("t")), "c1")
+    with pytest.raises(ConfigError, match=r"hpc\.slurm\.rest_user: required for the rest transport"):
+        SlurmAdapter.from_config(
+            config(auth_method="jwt", work_dir="/jobs"), Secrets(slurm_jwt_token=SecretStr("t")), "c1"
+        )
     adapter = SlurmAdapter.from_config(
-        config(auth_method="jwt", work_dir="/jobs", controller_host="ctl.example.org"),
+        config(auth_method="jwt", work_dir="/jobs", controller_host="ctl.example.org", rest_user="vehpc"),
         Secrets(slurm_jwt_token=SecretStr("secret-token")),
         "c1",
     )
     assert isinstance(adapter.backend, RestBackend)
-    assert adapter.backend.description == "slurmrestd http://ctl.example.org:6820 as root"
+    assert adapter.backend.description == "slurmrestd http://ctl.example.org:6820 as vehpc"
 
 
 def test_ssh_needs_a_user_and_defaults_to_the_controller_host() -> None:

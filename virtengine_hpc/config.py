@@ -40,6 +40,7 @@ from pydantic import (
 from pydantic import ValidationError as PydanticValidationError
 
 from virtengine_hpc.errors import ConfigError
+from virtengine_hpc.models import _ADDRESS_RE as ADDRESS_PATTERN  # the pattern jobs name tenants with
 
 ENV_PREFIX = "VIRTENGINE_HPC__"
 MAX_DURATION_SECONDS = 10 * 365 * 86400
@@ -57,6 +58,8 @@ _UNIT_SECONDS = {"ms": 0.001, "s": 1, "m": 60, "h": 3600, "d": 86400}
 _SECRET_KEY = re.compile(r"(password|passwd|secret|token|api_key|apikey|private_key|credential)", re.I)
 # Keys whose names look like credentials but hold only a location or the name of a variable.
 _ALLOWED_SECRETISH = {"token_file_env", "signing_key_path_env", "api_key_env", "oidc_token_url"}
+_ACCOUNT = r"^[a-z_][a-z0-9_-]{0,31}$"
+"""A Unix account name as Slurm, MOAB and sshd accept it (what useradd allows by default)."""
 
 
 def parse_duration(value: Any) -> timedelta:
@@ -261,7 +264,14 @@ class SlurmConfig(Section):
     rest_url: str | None = Field(
         None, description="slurmrestd base URL; default http://controller_host:6820."
     )
-    rest_user: str = Field("root", pattern=r"^[a-z_][a-z0-9_-]{0,31}$", description="X-SLURM-USER-NAME.")
+    rest_user: str | None = Field(
+        None,
+        pattern=_ACCOUNT,
+        description="The provider's own Slurm account on slurmrestd (X-SLURM-USER-NAME of status, accounting and "
+        "cancel requests); required for the rest transport, never root. With per-tenant accounts jobs are "
+        "submitted as the tenant's account instead, which needs SLURM_JWT_TOKEN to be a token of SlurmUser "
+        "(docs/security.md), and this account must be a Slurm operator to cancel them.",
+    )
     api_version: str = Field(
         "v0.0.38", pattern=r"^v\d+\.\d+\.\d+$", description="slurmrestd API version in the URL path."
     )
@@ -275,6 +285,18 @@ class SlurmConfig(Section):
     ssh_key_path: Path | None = Field(None, description="Private key file for ssh_user (never a password).")
     known_hosts_path: Path | None = Field(
         None, description="known_hosts file used to check the host key; default ~/.ssh/known_hosts."
+    )
+    tenant_key_dir: Path | None = Field(
+        None,
+        description="ssh transport with per-tenant accounts: directory holding one private key per tenant "
+        "account, named after the account (<dir>/<account>); jobs are submitted by logging in as the tenant's "
+        "account with its key (host key checked as for ssh_user).",
+    )
+    switch_user: Literal["runuser", "setpriv", "sudo"] = Field(
+        "runuser",
+        description="cli transport with per-tenant accounts: how the worker runs sbatch as the tenant's account "
+        "(argv, no shell). runuser and setpriv need the worker to run as root; sudo needs a sudoers rule letting "
+        "the worker's account run sbatch as each tenant account without a password (docs/security.md).",
     )
     remote_env: dict[str, str] = Field(default_factory=dict, description="Environment for remote commands.")
     work_dir: Path | None = Field(None, description="Default working directory of jobs on the cluster.")
@@ -291,6 +313,15 @@ class SlurmConfig(Section):
         description="How long a job the controller reports ended waits for accounting (its exit code) before "
         "its end is reported without it.",
     )
+
+    @field_validator("rest_user")
+    @classmethod
+    def _rest_user_not_root(cls, value: str | None) -> str | None:
+        if value == "root":
+            raise ValueError(
+                "root is refused: name the provider's own unprivileged Slurm account (a Slurm operator)"
+            )
+        return value
 
 
 class MoabConfig(Section):
@@ -348,13 +379,30 @@ class MoabConfig(Section):
     )
     mws_job_user: str | None = Field(
         None,
-        pattern=r"^[a-z_][a-z0-9_-]{0,31}$",
-        description="Cluster user MWS submits the jobs as (credentials.user); default: MOAB_USERNAME's own account.",
+        pattern=_ACCOUNT,
+        description="Cluster user MWS submits the jobs as (credentials.user) when tenants are not isolated "
+        "(hpc.tenants.isolation none); default: MOAB_USERNAME's own account. With per-tenant accounts each job "
+        "names its tenant's account instead.",
+    )
+    tenant_key_dir: Path | None = Field(
+        None,
+        description="ssh transport with per-tenant accounts: directory holding one private key per tenant "
+        "account, named after the account (<dir>/<account>); msub runs logged in as the tenant's account.",
     )
 
 
 class OODConfig(Section):
     """Open OnDemand: OIDC client credentials, submission through the cluster's own scheduler."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _user_mapping_moved(cls, data: Any) -> Any:
+        if isinstance(data, Mapping) and "user_mapping" in data:
+            raise ValueError(
+                "user_mapping moved to hpc.tenants.accounts (the one mapping of tenants to cluster accounts, "
+                "used by every scheduler): move its entries there"
+            )
+        return data
 
     dashboard_url: str | None = Field(None, description="Open OnDemand dashboard base URL.")
     oidc_token_url: str | None = Field(
@@ -365,7 +413,6 @@ class OODConfig(Section):
     underlying_scheduler: Literal["slurm", "moab", "local"] = Field(
         "slurm", description="The scheduler OOD submits to on this cluster."
     )
-    user_mapping: dict[str, str] = Field(default_factory=dict, description="Tenant address -> cluster user.")
     job_poll_interval: Duration = Field(
         timedelta(seconds=10),
         description="How often the status of all of the cluster's active jobs is fetched (one query per interval).",
@@ -434,6 +481,75 @@ class LocalSchedulerConfig(Section):
     )
 
 
+class TenantsConfig(Section):
+    """Which cluster account runs each tenant's jobs (docs/security.md): one unprivileged account per tenant,
+    never shared by two tenants, never root, never the provider's own submit account."""
+
+    isolation: Literal["per_tenant", "none"] = Field(
+        "per_tenant",
+        description="per_tenant: every job runs as its tenant's account (accounts, else one from pool); a tenant "
+        "with neither has its jobs refused. none: every job runs as the provider's submit account, so tenants "
+        "can read and cancel each other's jobs; only for a single-tenant cluster or a demo, never with root.",
+    )
+    accounts: dict[str, str] = Field(
+        default_factory=dict,
+        description="Tenant address -> cluster account, fixed by the operator; wins over the pool. Two tenants "
+        "never share an account.",
+    )
+    pool: list[str] = Field(
+        default_factory=list,
+        description="Accounts handed out to tenants that accounts does not name, one per tenant, in this order, "
+        "on the tenant's first job; the assignment is kept for good in assignments_path, so it survives "
+        "restarts and is the same on every worker that shares the file.",
+    )
+    assignments_path: Path | None = Field(
+        None,
+        description="SQLite file of the pool's assignments; default <state_store_path>/tenant-accounts.db. "
+        "Workers on several hosts must share it (storage with working locks) or use accounts alone.",
+    )
+
+    @field_validator("accounts")
+    @classmethod
+    def _accounts_ok(cls, value: dict[str, str]) -> dict[str, str]:
+        for tenant, account in value.items():
+            if not ADDRESS_PATTERN.fullmatch(tenant):
+                raise ValueError(f"{tenant[:80]!r} is not a tenant address")
+            _check_tenant_account(account)
+        shared = sorted({a for a in value.values() if list(value.values()).count(a) > 1})
+        if shared:
+            raise ValueError(
+                f"account {shared[0]} is mapped to more than one tenant: tenants never share one"
+            )
+        return value
+
+    @field_validator("pool")
+    @classmethod
+    def _pool_ok(cls, value: list[str]) -> list[str]:
+        for account in value:
+            _check_tenant_account(account)
+        twice = sorted({a for a in value if value.count(a) > 1})
+        if twice:
+            raise ValueError(f"account {twice[0]} is in the pool more than once")
+        return value
+
+    @model_validator(mode="after")
+    def _pool_apart_from_fixed(self) -> TenantsConfig:
+        both = sorted(set(self.pool) & set(self.accounts.values()))
+        if both:
+            raise ValueError(
+                f"account {both[0]} is both in pool and fixed for a tenant in accounts: the pool could hand it to "
+                "another tenant"
+            )
+        return self
+
+
+def _check_tenant_account(account: str) -> None:
+    if not re.fullmatch(_ACCOUNT, account):
+        raise ValueError(f"{account[:40]!r} is not a valid account name ({_ACCOUNT})")
+    if account == "root":
+        raise ValueError("root can never be a tenant's account: tenant jobs run unprivileged")
+
+
 SchedulerType = Literal["slurm", "moab", "ood", "local"]
 _CLUSTER_ID = r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$"
 
@@ -498,6 +614,7 @@ class HPCConfig(Section):
     moab: MoabConfig = Field(default_factory=MoabConfig)
     ood: OODConfig = Field(default_factory=OODConfig)
     local: LocalSchedulerConfig = Field(default_factory=LocalSchedulerConfig)
+    tenants: TenantsConfig = Field(default_factory=TenantsConfig)
     clusters: list[ClusterConfig] = Field(
         default_factory=list,
         description="Several clusters per provider: one task queue per cluster, each with its own scheduler "
@@ -837,13 +954,34 @@ class Config(Section):
 
     @model_validator(mode="after")
     def _jwt_needs_rest(self) -> Config:
-        sections = [("hpc.slurm", self.hpc.slurm)] + [
-            (f"hpc.clusters[{i}].slurm", c.slurm) for i, c in enumerate(self.hpc.clusters) if c.slurm
-        ]
-        for where, slurm in sections:
+        for where, slurm in self._sections("slurm"):
+            assert isinstance(slurm, SlurmConfig)
             if slurm.auth_method == "jwt" and slurm.transport not in (None, "rest"):
                 raise ValueError(f"{where}.auth_method jwt works only with transport rest (slurmrestd)")
         return self
+
+    @model_validator(mode="after")
+    def _submit_accounts_are_not_tenants(self) -> Config:
+        """The provider's own accounts (SSH login, slurmrestd user, MWS job user) never run a tenant's job."""
+        tenants = set(self.hpc.tenants.pool) | set(self.hpc.tenants.accounts.values())
+        for name in ("slurm", "moab"):
+            for where, section in self._sections(name):
+                for key in ("ssh_user", "rest_user", "mws_job_user"):
+                    user = getattr(section, key, None)
+                    if user is not None and user in tenants:
+                        raise ValueError(
+                            f"{where}.{key} {user} is also a tenant account in hpc.tenants: the provider's own "
+                            "account must never run a tenant's job"
+                        )
+        return self
+
+    def _sections(self, name: str) -> list[tuple[str, Section]]:
+        found: list[tuple[str, Section]] = [(f"hpc.{name}", getattr(self.hpc, name))]
+        for i, cluster in enumerate(self.hpc.clusters):
+            own = getattr(cluster, name)
+            if own is not None:
+                found.append((f"hpc.clusters[{i}].{name}", own))
+        return found
 
     # ---- several clusters -------------------------------------------------------------------------------------
 

@@ -127,6 +127,12 @@ class SchedulerAdapter(abc.ABC):
     async def usage(self, scheduler_job_id: str) -> Accounting:
         """Cumulative usage so far (final when the job ended)."""
 
+    def expected_account(self, tenant: str) -> str | None:
+        """The cluster account the jobs of ``tenant`` were or will be submitted as (``hpc.tenants``), without
+        assigning one; None when this adapter cannot tell or the tenant has none yet. Adoption checks compare it
+        with the account of a job found by its workflow id."""
+        return None
+
     async def drain_node(self, node: str, reason: str) -> None:
         raise NotImplementedError(f"{self.name} cannot drain nodes")
 

@@ -4,8 +4,8 @@ Open OnDemand has no job-submission REST API. Its dashboard authenticates a pers
 provider, maps the identity to a cluster account (``user_map_match``/``user_map_cmd``), and that account's
 per-user server submits through the cluster's scheduler (``sbatch``, ``msub``... possibly over SSH to a submit
 host). This adapter does the same: the tenant's chain address is mapped to a cluster user
-(``hpc.ood.user_mapping``), an OIDC client-credentials token vouches for the provider's client (and, with
-``oidc_users_claim``, for the user), and the job is submitted through the configured scheduler adapter *as that
+(``hpc.tenants``, the mapping every scheduler uses: a fixed account or one from the pool), an OIDC
+client-credentials token vouches for the provider's client (and, with ``oidc_users_claim``, for the user), and the job is submitted through the configured scheduler adapter *as that
 user* (``underlying_scheduler``: its SSH login, MWS job user or REST user becomes the mapped user).
 
 Scheduler job ids are ``<user>/<native id>`` (``/session`` appended for interactive sessions), so status, usage
@@ -33,8 +33,9 @@ from activities.schedulers.base import (
     registered,
 )
 from activities.schedulers.ood.oidc import OIDCClient
-from virtengine_hpc.config import Config, OODConfig, Secrets
-from virtengine_hpc.errors import ConfigError, JobNotFound, SecurityError, SubmissionRejected
+from activities.tenant_accounts import TenantAccounts
+from virtengine_hpc.config import Config, OODConfig, Secrets, TenantsConfig
+from virtengine_hpc.errors import ConfigError, JobNotFound, SecurityError
 from virtengine_hpc.states import JobState
 
 log = logging.getLogger(__name__)
@@ -83,8 +84,16 @@ class OODAdapter(SchedulerAdapter):
 
     mpi_launcher = "mpirun"
 
-    def __init__(self, config: Config, secrets: Secrets, cluster_id: str, oidc: OIDCClient) -> None:
+    def __init__(
+        self,
+        config: Config,
+        secrets: Secrets,
+        cluster_id: str,
+        oidc: OIDCClient,
+        tenants: TenantAccounts | None = None,
+    ) -> None:
         self.config = config
+        self.tenants = tenants or TenantAccounts.from_config(config)
         self.ood: OODConfig = config.hpc.ood
         self.secrets = secrets
         self.cluster_id = cluster_id
@@ -104,8 +113,12 @@ class OODAdapter(SchedulerAdapter):
             raise ConfigError(f"hpc.ood: {', '.join(missing)} required (OIDC client credentials)")
         if secrets.ood_oidc_client_secret is None:
             raise ConfigError("OOD_OIDC_CLIENT_SECRET is not set: the OOD adapter authenticates with it")
-        if not o.user_mapping:
-            raise ConfigError("hpc.ood.user_mapping: no tenant is mapped to a cluster user")
+        tenants = TenantAccounts.from_config(config)
+        if not tenants.isolated or not tenants.accounts():
+            raise ConfigError(
+                "hpc.tenants: Open OnDemand submits as each tenant's own cluster account; name them in "
+                "hpc.tenants.accounts or hpc.tenants.pool (isolation per_tenant)"
+            )
         assert o.oidc_token_url and o.oidc_issuer and o.oidc_client_id
         oidc = OIDCClient(
             token_url=o.oidc_token_url,
@@ -119,7 +132,7 @@ class OODAdapter(SchedulerAdapter):
             ca_cert=o.ca_cert,
             timeout=o.connection_timeout.total_seconds(),
         )
-        return cls(config, secrets, cluster_id, oidc)
+        return cls(config, secrets, cluster_id, oidc, tenants)
 
     # ---- the underlying scheduler, per cluster user -------------------------------------------------------------
     def adapter_for(self, user: str) -> SchedulerAdapter:
@@ -129,12 +142,14 @@ class OODAdapter(SchedulerAdapter):
             section = getattr(self.config.hpc, self.underlying)
             key = _user_key(self.underlying, getattr(section, "transport", None))
             update = {key: user} if key else {}
+            # The underlying adapter acts as this one user: the tenant mapping was applied here already.
             as_user = self.config.model_copy(
                 update={
                     "hpc": self.config.hpc.model_copy(
                         update={
                             "scheduler_type": self.underlying,
                             self.underlying: section.model_copy(update=update),
+                            "tenants": TenantsConfig(isolation="none"),
                         }
                     )
                 }
@@ -144,18 +159,20 @@ class OODAdapter(SchedulerAdapter):
         return adapter
 
     def user_of(self, tenant: str) -> str:
-        user = self.ood.user_mapping.get(tenant)
-        if user is None:
-            raise SubmissionRejected(
-                f"tenant {tenant} has no cluster account on {self.cluster_id} (hpc.ood.user_mapping)"
-            )
-        return user
+        """The tenant's cluster account (``TenantAccountError`` when it has none, or a privileged one)."""
+        section = getattr(self.config.hpc, self.underlying)
+        key = _user_key(self.underlying, getattr(section, "transport", None))
+        submit_account = getattr(section, key, None) if key else None
+        return self.tenants.account_for(tenant, submit_account=submit_account)
+
+    def expected_account(self, tenant: str) -> str | None:
+        return self.tenants.assigned(tenant)
 
     # ---- the adapter interface ------------------------------------------------------------------------------
     async def submit(
         self, request: SubmitRequest, *, on_submitted: Callable[[str], None] | None = None
     ) -> SubmitResult:
-        user = self.user_of(request.job.tenant)
+        user = await asyncio.to_thread(self.user_of, request.job.tenant)
         await self.oidc.authorize(user)
         suffix = "/session" if request.job.template_id == SESSION_TEMPLATE else ""
 
@@ -175,7 +192,7 @@ class OODAdapter(SchedulerAdapter):
         )
 
     async def find(self, workflow_id: str) -> str | None:
-        users = sorted(set(self.ood.user_mapping.values()))
+        users = sorted(self.tenants.accounts())
         found = await asyncio.gather(
             *(self.adapter_for(u).find(workflow_id) for u in users), return_exceptions=True
         )

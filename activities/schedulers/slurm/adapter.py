@@ -151,6 +151,11 @@ class SlurmAdapter(BatchSchedulerAdapter):
                 raise ConfigError(
                     "hpc.slurm.work_dir: required for the rest transport (slurmrestd needs one)"
                 )
+            if s.rest_user is None:
+                raise ConfigError(
+                    "hpc.slurm.rest_user: required for the rest transport (the provider's own unprivileged "
+                    "Slurm account, never root)"
+                )
             client = RestClient(
                 base_url=s.rest_url or f"http://{s.controller_host}:6820",
                 user=s.rest_user,
