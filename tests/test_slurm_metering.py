@@ -9,10 +9,13 @@ metrics. The same path against the live cluster is in ``test_slurm_adapter.py`` 
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from datetime import UTC, datetime
 from decimal import Decimal
 from pathlib import Path
+
+import pytest
 
 from activities.schedulers.slurm import SlurmAdapter
 from activities.schedulers.slurm import parsers as p
@@ -37,9 +40,12 @@ class GoldenBackend(SlurmBackend):
 
     description = "golden output"
 
-    def __init__(self, sacct: str, sstat: str = "", queued: Sequence[p.QueueJob] = ()) -> None:
+    def __init__(
+        self, sacct: str, sstat: str = "", queued: Sequence[p.QueueJob] = (), rest: dict | None = None
+    ) -> None:
+        """``rest``: accounting as slurmdbd's REST answers it instead of ``sacct`` (a ``GET .../job/{id}`` body)."""
         super().__init__()
-        self.sacct, self.sstat, self.queued = sacct, sstat, list(queued)
+        self.sacct, self.sstat, self.queued, self.rest = sacct, sstat, list(queued), rest
 
     async def cluster_info(self) -> ClusterInfo:
         return ClusterInfo(cluster_name="localcluster")
@@ -54,7 +60,8 @@ class GoldenBackend(SlurmBackend):
         return []
 
     async def accounting(self, job_ids: Sequence[str], *, steps: bool) -> list[p.AcctJob]:
-        return [job for job in p.parse_sacct(self.sacct) if job.job_id in job_ids]
+        jobs = p.parse_sacct(self.sacct) if self.rest is None else p.parse_rest_db_jobs(self.rest)
+        return [job for job in jobs if job.job_id in job_ids]
 
     async def accounting_by_names(self, names: Sequence[str]) -> list[p.AcctJob]:
         return []
@@ -79,11 +86,13 @@ def adapter(backend: GoldenBackend) -> SlurmAdapter:
     )
 
 
-def running(job_id: str, elapsed: int, alloc: str) -> p.QueueJob:
+def running(
+    job_id: str, elapsed: int, alloc: str, start: datetime = datetime(2026, 12, 1, tzinfo=UTC)
+) -> p.QueueJob:
     return p.QueueJob(
         job_id=job_id,
         state="RUNNING",
-        start_time=datetime(2026, 12, 1, tzinfo=UTC),
+        start_time=start,
         elapsed_seconds=elapsed,
         alloc_tres=p.parse_tres(alloc, usage=False),
     )
@@ -133,6 +142,53 @@ async def test_a_running_jobs_disk_bytes_come_from_sstat() -> None:
     assert (reading.wall_clock_seconds, reading.disk_bytes_read) == (3, 8253 + 50360385)
     assert reading.disk_bytes_written == 1 + 50331649 and reading.memory_bytes_max == 4075520
     assert reading.allocated.memory_bytes == 256 * MiB
+
+
+# ---- a requeued job: every run is billed -------------------------------------------------------------------------
+
+#: Job 2552 ran 12 s, was requeued, and ran 6 s more (``sacct_requeued.txt``, ``slurmdb_job_requeued.json``).
+REQUEUED_FIRST_START = datetime.fromtimestamp(1796159247, UTC)
+REQUEUED_CPU = Decimal("0.002") + Decimal("0.623") + Decimal("0.041") + Decimal("0.700")
+
+
+@pytest.mark.parametrize("source", ["sacct", "slurmrestd"])
+async def test_a_requeued_jobs_final_reading_adds_up_every_run(source: str) -> None:
+    """Plain ``sacct -j`` shows the last run alone (6 s): the job held its allocation for 18 s."""
+    if source == "sacct":
+        backend = GoldenBackend(golden("sacct_requeued.txt"))
+    else:
+        backend = GoldenBackend("", rest=json.loads(golden("slurmdb_job_requeued.json")))
+    usage = await adapter(backend).usage("2552")
+    reading = usage.reading
+    assert usage.final and reading.wall_clock_seconds == 12 + 6
+    assert usage.start_time == REQUEUED_FIRST_START and usage.end_time == datetime.fromtimestamp(
+        1796159400, UTC
+    )
+    assert reading.cpu_time_seconds is not None
+    assert abs(reading.cpu_time_seconds - REQUEUED_CPU) < Decimal("0.002")  # REST: microseconds, sacct: ms
+    assert reading.memory_bytes_max == 4075520
+    assert reading.disk_bytes_read == 8313 + 14785 + 8313 + 7809 and reading.disk_bytes_written == 4
+    assert meter(reading, Resources(memory_mb_per_node=256)).metrics.cpu_core_seconds == 18
+    status = (await adapter(backend).status_batch(["2552"]))["2552"]
+    assert (status.state.value, status.start_time) == ("completed", datetime.fromtimestamp(1796159394, UTC))
+
+
+async def test_a_requeued_job_running_again_is_read_with_its_earlier_run() -> None:
+    """Run 2 has run 3 s; accounting holds run 1 (12 s) and nothing of run 2's steps yet."""
+    run_one = "\n".join(golden("sacct_requeued.txt").splitlines()[:3]) + "\n"
+    second_start = datetime.fromtimestamp(1796159394, UTC)
+    slurm = adapter(
+        GoldenBackend(run_one, queued=[running("2552", 3, "cpu=1,mem=256M,node=1", second_start)])
+    )
+    reading = (await slurm.usage("2552")).reading
+    assert reading.wall_clock_seconds == 12 + 3
+    assert reading.cpu_time_seconds == Decimal("0.625")
+    # Run 2 a moment later, its step .0 now in sstat: run 1 still counts once, never twice.
+    slurm.backend.queued = [running("2552", 5, "cpu=1,mem=256M,node=1", second_start)]
+    slurm.backend.sstat = "2552.0|303104|cpu=00:00:00.5,energy=0,fs/disk=7809,mem=303104|energy=0,fs/disk=1\n"
+    later = (await slurm.usage("2552")).reading
+    assert later.wall_clock_seconds == 12 + 5
+    assert later.disk_bytes_read == 8313 + 14785 + 7809
 
 
 # ---- sites with energy, GPU and interconnect accounting (composed shapes) ----------------------------------------

@@ -227,6 +227,16 @@ def test_sacct_reused_job_id_keeps_the_latest_submission() -> None:
         text, ("JobIDRaw", "State", "ExitCode", "ElapsedRaw", "Submit", "JobName", "Comment")
     )
     assert job.name == "new" and job.exit_code == 2 and len(job.steps) == 1
+    assert job.earlier_runs == [], "another job under a reused id is not an earlier run of this one"
+
+
+def test_sacct_duplicates_of_a_requeued_job_are_its_runs() -> None:
+    (job,) = p.parse_sacct(golden("metering/sacct_requeued.txt"))
+    assert [(run.state, run.elapsed_seconds, len(run.steps)) for run in job.runs] == [
+        ("REQUEUED", 12, 2),
+        ("COMPLETED", 6, 2),
+    ]
+    assert job is job.runs[-1] and job.start_time == datetime.fromtimestamp(1796159394, UTC)
 
 
 # ---- sstat -----------------------------------------------------------------------------------------------------

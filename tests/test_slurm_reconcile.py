@@ -151,3 +151,64 @@ async def test_reconcile_agrees_with_sacct_for_jobs_of_every_outcome(
     wall = next(line.split() for line in out.splitlines() if line.strip().startswith("wall_clock_seconds"))
     assert wall[3:] == ["5", "1", "DIFF"]
     print("\n".join(shown))  # the reports, for a reader of the test's output
+
+
+async def test_a_requeued_job_is_billed_for_every_run_and_reconciles(
+    client: Client,
+    tmp_path: Path,
+    key_path: Path,
+    task_queue: str,
+    env: dict[str, Any],
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """``scontrol requeue`` while the job runs: Slurm runs it again under the same id (after ~2 minutes), and
+    plain ``sacct -j`` then shows the last run alone. Both runs held the allocation: the records bill both, and
+    ``usage reconcile`` agrees, because the adapter reads every run (``sacct --duplicates``)."""
+    config = make_config(
+        tmp_path,
+        hpc={
+            "scheduler_type": "slurm",
+            "cluster_id": f"slurm-{uuid.uuid4().hex[:8]}",
+            "job_service": {"job_poll_interval": "500ms", "vanished_job_grace": "60s"},
+            "usage_reporting": {"report_interval": "2s"},
+            "slurm": sc.slurm_section(env, "cli"),
+        },
+    )
+    adapter = SlurmAdapter.from_config(config, sc.secrets(env), config.hpc.cluster_id)
+    script = '#!/bin/bash\nif [ "${SLURM_RESTART_COUNT:-0}" -gt 0 ]; then sleep 3; exit 0; fi\nsleep 300\n'
+    async with running_pipeline(client, config, key_path, adapter, task_queue) as pipe:
+        job_id = pipe.submit(
+            job_id=sc.workflow_id(SCOPE.rstrip("-")), script=script, resources={"memory_mb_per_node": 256}
+        )
+        for _ in range(300):
+            await pipe.poller.poll_once()
+            if getattr(pipe.ledger.job(job_id), "state", None) == JobState.RUNNING:
+                break
+            await asyncio.sleep(0.3)
+        await asyncio.sleep(8)  # the first run holds its allocation for a while, and reports it
+        slurm_id = pipe.ledger.job(job_id).scheduler_job_id
+        sc.slurm_command(env, ["scontrol", "requeue", slurm_id])
+        results = await pipe.run_until_done([job_id], timeout=400)
+    assert results[job_id].state == JobState.COMPLETED
+
+    runs = sc.slurm_command(
+        env, ["sacct", "--duplicates", "-X", "-P", "-n", "-j", slurm_id, "-o", "State,ElapsedRaw"]
+    ).split()
+    elapsed = [int(run.split("|")[1]) for run in runs]
+    assert [run.split("|")[0] for run in runs] == ["REQUEUED", "COMPLETED"] and elapsed[0] >= 8, runs
+    records = pipe.ledger.usage_records(job_id)
+    total = sum_metrics([r.metrics for r in records])
+    assert total.wall_clock_seconds == sum(elapsed), (runs, [r.metrics.wall_clock_seconds for r in records])
+    assert total.cpu_core_seconds == sum(elapsed)  # one core, held through both runs
+    assert sum(1 for r in records if r.is_final) == 1 and records[-1].is_final
+
+    config_file = tmp_path / "provider.json"
+    config_file.write_text(config.model_dump_json(exclude_defaults=True))
+    capsys.readouterr()
+    code = await asyncio.to_thread(
+        cli_main, ["--config", str(config_file), "usage", "reconcile", "--job", job_id]
+    )
+    out, err = capsys.readouterr()
+    assert code == 0 and "Traceback" not in err, out + err
+    wall = next(line.split() for line in out.splitlines() if line.strip().startswith("wall_clock_seconds"))
+    assert wall[1:3] == [str(sum(elapsed))] * 2, out

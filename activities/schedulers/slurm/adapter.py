@@ -17,7 +17,9 @@ What it promises (``activities/schedulers/base.py``), and how:
 * **Usage** is a raw reading, cumulative and monotone (``virtengine_hpc.metering`` meters it): run time = Slurm's
   elapsed; allocation = ``AllocTRES`` (nodes, CPUs, memory, GPUs); measured, summed over the steps (``sstat`` for
   running steps, ``sacct`` for ended ones): CPU time, peak RSS, disk bytes read and written (``fs/disk``),
-  interconnect bytes (``ic/*``) and energy (the job's ``ConsumedEnergyRaw``) where the site gathers them.
+  interconnect bytes (``ic/*``) and energy (the job's ``ConsumedEnergyRaw``) where the site gathers them. A
+  requeued job runs again under the same id, and every run held its allocation: accounting keeps one record per
+  run (``sacct --duplicates``), and the reading adds them all up, its earlier runs' while the latest one runs.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import logging
 import os
 import pwd
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from decimal import Decimal
 
@@ -107,7 +110,7 @@ class SlurmAdapter(BatchSchedulerAdapter):
         self._check_lock = asyncio.Lock()
         self._accounting_enabled = True
         self._high_water: dict[str, Reading] = {}
-        self._steps: dict[str, dict[str, Reading]] = {}
+        self._steps: dict[str, _RunSteps] = {}
 
     # ---- construction --------------------------------------------------------------------------------------
     @classmethod
@@ -414,9 +417,14 @@ class SlurmAdapter(BatchSchedulerAdapter):
             log.info("usage of %s: accounting unavailable (%s); live steps only", job_id, exc)
             ended = []
         live = await live_task
-        # Per step, the highest reading seen (live from sstat, ended from sacct): their sum is monotone.
-        seen = self._steps.setdefault(job_id, {})
-        for step in [s for a in ended for s in a.steps]:
+        earlier, current = _split_runs([run for a in ended for run in a.runs], job.start_time)
+        # Per step of the current run, the highest reading seen (live from sstat, ended from sacct): their sum is
+        # monotone. A requeued job's run starts over with steps of the same names: its readings start afresh.
+        run = self._steps.get(job_id)
+        if run is None or run.start != job.start_time:
+            run = self._steps[job_id] = _RunSteps(job.start_time)
+        seen = run.steps
+        for step in [s for r in current for s in r.steps]:
             self._see(seen, step.step_id, _acct_step(step))
         for step_live in live or []:
             self._see(seen, step_live.step_id, _live_step(step_live))
@@ -428,6 +436,8 @@ class SlurmAdapter(BatchSchedulerAdapter):
             end = min(now, job.end_time) if job.end_time is not None else now
             elapsed = max(0, int((end - (job.start_time or end)).total_seconds()))
         reading = _job_reading(list(seen.values()), Decimal(elapsed), job.alloc_tres, taken_at=now)
+        if earlier:  # a requeued job: its earlier runs, closed in accounting, are billed as well
+            reading = _runs_reading([*(_run_reading(r, taken_at=now) for r in earlier), reading])
         return self._monotone(job_id, reading, job, final=False)
 
     @staticmethod
@@ -440,7 +450,7 @@ class SlurmAdapter(BatchSchedulerAdapter):
         line, first without its usage). A step stuck "running" after ``accounting_grace`` is not waited for."""
         if not map_state(job.state).state.final:
             return False
-        open_steps = [s.step_id for s in job.steps if not map_state(s.state).state.final]
+        open_steps = [s.step_id for r in job.runs for s in r.steps if not map_state(s.state).state.final]
         if not open_steps:
             return True
         ended = job.end_time or datetime.now(UTC)
@@ -453,23 +463,19 @@ class SlurmAdapter(BatchSchedulerAdapter):
 
     @staticmethod
     def _accounting_reading(job: p.AcctJob, *, taken_at: datetime | None) -> Reading:
-        """What accounting says of the job: its steps' measurements, its elapsed time and allocation."""
-        steps = [_acct_step(s) for s in job.steps]
-        if not steps and job.total_cpu_seconds is not None:
-            steps = [Reading(cpu_time_seconds=job.total_cpu_seconds)]
-        reading = _job_reading(steps, Decimal(job.elapsed_seconds), job.alloc_tres, taken_at=taken_at)
-        if job.energy_joules:  # the job's own figure (steps overlap in time: theirs would count twice)
-            reading = reading.model_copy(update={"energy_joules": job.energy_joules})
-        return reading
+        """What accounting says of the job, every run of it (a requeued job ran more than once, and each run
+        held its allocation): its steps' measurements and its elapsed time, added up over the runs."""
+        return _runs_reading([_run_reading(run, taken_at=taken_at) for run in job.runs])
 
     def _final_usage(self, job_id: str, job: p.AcctJob) -> Accounting:
         self._high_water.pop(job_id, None)
         self._steps.pop(job_id, None)
+        first = next((run for run in job.runs if _started(run)), None)
         return Accounting(
             scheduler_job_id=job_id,
             final=True,
             reading=self._accounting_reading(job, taken_at=job.end_time),
-            start_time=job.start_time if _started(job) else None,
+            start_time=first.start_time if first is not None else None,
             end_time=job.end_time,
         )
 
@@ -479,7 +485,8 @@ class SlurmAdapter(BatchSchedulerAdapter):
             elapsed = max(0, int((job.end_time - job.start_time).total_seconds()))
         # The controller says the job ended but not when (slurmrestd right after a cancel): never extrapolate to
         # "now", which would bill time the job did not run; the last reading stands until accounting closes it.
-        steps = list(self._steps.get(job_id, {}).values())
+        run = self._steps.get(job_id)
+        steps = list(run.steps.values()) if run is not None and run.start == job.start_time else []
         taken = job.end_time if job.end_time is not None else datetime.now(UTC)
         reading = _job_reading(steps, Decimal(elapsed or 0), job.alloc_tres, taken_at=taken)
         return self._monotone(job_id, reading, job, final=final)
@@ -532,6 +539,14 @@ class SlurmAdapter(BatchSchedulerAdapter):
         await self.backend.close()
 
 
+@dataclass
+class _RunSteps:
+    """The steps of a job's current run, by step id: the highest reading of each seen so far."""
+
+    start: datetime | None
+    steps: dict[str, Reading] = field(default_factory=dict)
+
+
 def _candidates(
     names: dict[str, str], records: Sequence[p.QueueJob | p.AcctJob]
 ) -> dict[str, list[Candidate]]:
@@ -560,6 +575,56 @@ def _started(job: p.AcctJob) -> bool:
     """Whether accounting says the job started: it has a start time and ran, or at least got an allocation
     (a job that fails at once ran for 0 s; a job cancelled while pending has no allocation)."""
     return job.start_time is not None and (job.elapsed_seconds > 0 or bool(job.alloc_tres))
+
+
+def _split_runs(
+    runs: list[p.AcctJob], current_start: datetime | None
+) -> tuple[list[p.AcctJob], list[p.AcctJob]]:
+    """Accounting's runs of a running job, oldest first: those before the current run (closed, billed in full)
+    and the current run's (its steps that ended). Right after a requeue accounting may not have heard of the new
+    run yet: then every run it holds is an earlier one."""
+    if current_start is None:
+        return runs[:-1], runs[-1:]
+    earlier = [r for r in runs if r.start_time is None or r.start_time < current_start]
+    return earlier, [r for r in runs if r not in earlier]
+
+
+def _run_reading(run: p.AcctJob, *, taken_at: datetime | None) -> Reading:
+    """One run of a job as accounting recorded it: its steps' measurements, elapsed time and allocation."""
+    steps = [_acct_step(s) for s in run.steps]
+    if not steps and run.total_cpu_seconds is not None:
+        steps = [Reading(cpu_time_seconds=run.total_cpu_seconds)]
+    reading = _job_reading(steps, Decimal(run.elapsed_seconds), run.alloc_tres, taken_at=taken_at)
+    if run.energy_joules:  # the run's own figure (steps overlap in time: theirs would count twice)
+        reading = reading.model_copy(update={"energy_joules": run.energy_joules})
+    return reading
+
+
+def _runs_reading(runs: list[Reading]) -> Reading:
+    """The runs of one job (oldest first) as one reading: run time and measurements added up (runs follow each
+    other, so energy adds too), peak memory the largest, the latest run's time and allocation."""
+    if len(runs) == 1:
+        return runs[0]
+
+    def total(name: str) -> Decimal | None:
+        values = [getattr(r, name) for r in runs if getattr(r, name) is not None]
+        return sum(values, Decimal(0)) if values else None
+
+    counts = {
+        name: None if (value := total(name)) is None else int(value)
+        for name in ("network_bytes_in", "network_bytes_out", "disk_bytes_read", "disk_bytes_written")
+    }
+    peaks = [r.memory_bytes_max for r in runs if r.memory_bytes_max is not None]
+    return Reading(
+        wall_clock_seconds=sum((r.wall_clock_seconds for r in runs), Decimal(0)),
+        taken_at=runs[-1].taken_at,
+        allocated=runs[-1].allocated,
+        cpu_time_seconds=total("cpu_time_seconds"),
+        memory_byte_seconds=total("memory_byte_seconds"),
+        memory_bytes_max=max(peaks) if peaks else None,
+        energy_joules=total("energy_joules"),
+        **counts,
+    )
 
 
 def _count(value: Decimal | None) -> int | None:

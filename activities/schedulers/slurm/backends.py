@@ -212,7 +212,8 @@ class CliBackend(SlurmBackend):
         return p.parse_squeue(result.stdout)
 
     def _sacct(self, *selection: str, steps: bool) -> list[str]:
-        argv = ["sacct", "-P", "-n", "--noconvert", "-M", self.cluster, "-S", self.lookback]
+        # --duplicates: every run of a requeued job (one line each), not only the latest: they are all billed.
+        argv = ["sacct", "-P", "-n", "--noconvert", "--duplicates", "-M", self.cluster, "-S", self.lookback]
         if not steps:
             argv.append("-X")
         return [*argv, *selection, "-o", p.SACCT_FORMAT]

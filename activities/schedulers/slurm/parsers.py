@@ -154,6 +154,15 @@ class AcctJob:
     name: str = ""
     comment: str = ""
     steps: list[AcctStep] = field(default_factory=list)
+    earlier_runs: list[AcctJob] = field(default_factory=list)
+    """The job's earlier runs, oldest first, each with its own steps: a requeued job (``scontrol requeue``,
+    preemption or node failure with requeue) starts over under the same id, and accounting keeps one record per
+    run (``sacct --duplicates``; slurmdbd's REST lists them all). This record is the latest run's."""
+
+    @property
+    def runs(self) -> list[AcctJob]:
+        """Every run of the job, oldest first, this one last."""
+        return [*self.earlier_runs, self]
 
 
 @dataclass
@@ -316,8 +325,8 @@ def parse_squeue(
 
 
 def parse_sacct(text: str, fields: Sequence[str] = SACCT_FIELDS) -> list[AcctJob]:
-    """``sacct -P -n -o <fields>`` output: job lines, each followed by its step lines (``123.batch``, ``123.0``)."""
-    jobs: dict[str, AcctJob] = {}
+    """``sacct -P -n -o <fields>`` output: job lines, each followed by its step lines (``123.batch``, ``123.0``);
+    with ``--duplicates``, one job line per run of a requeued job (``group_runs``)."""
     order: list[AcctJob] = []
     current: AcctJob | None = None  # the job whose step lines follow
     for row in _rows(text, fields):
@@ -362,17 +371,33 @@ def parse_sacct(text: str, fields: Sequence[str] = SACCT_FIELDS) -> list[AcctJob
             name=row.get("JobName", ""),
             comment=_text(row.get("Comment", "")),
         )
-        # The same id twice (ids reused after a cluster was rebuilt): the latest submission wins.
-        previous = jobs.get(job_id)
-        if previous is not None and _later(previous.submit_time, job.submit_time):
-            current = None
-            continue
-        if previous is not None:
-            order.remove(previous)
-        jobs[job_id] = job
         order.append(job)
         current = job
-    return order
+    return group_runs(order)
+
+
+def group_runs(records: Sequence[AcctJob]) -> list[AcctJob]:
+    """One ``AcctJob`` per job id, the latest run, with the job's earlier runs attached (``earlier_runs``).
+
+    Accounting may hold one id several times: the runs of a requeued job (same name, comment and user, each run
+    submitted anew), or an id reused after the cluster was rebuilt (another job). The latest submission is the
+    job; the records of the same id that share its name, comment and user are its earlier runs; the others were
+    another job and are dropped.
+    """
+    by_id: dict[str, list[AcctJob]] = {}
+    for record in records:
+        by_id.setdefault(record.job_id, []).append(record)
+    jobs = []
+    for same_id in by_id.values():
+        ordered = sorted(same_id, key=lambda r: r.submit_time or datetime.min.replace(tzinfo=UTC))
+        latest = ordered[-1]
+        latest.earlier_runs = [
+            r
+            for r in ordered[:-1]
+            if (r.name, r.comment, r.user) == (latest.name, latest.comment, latest.user)
+        ]
+        jobs.append(latest)
+    return jobs
 
 
 def parse_sstat(text: str, fields: Sequence[str] = SSTAT_FIELDS) -> list[LiveStep]:
@@ -406,13 +431,6 @@ def parse_scontrol_config(text: str) -> dict[str, str]:
 def _text(value: str) -> str:
     text = value.strip()
     return "" if text in ("(null)", "None") else text
-
-
-def _later(a: datetime | None, b: datetime | None) -> bool:
-    """True when ``a`` is strictly later than ``b`` (unknown times lose)."""
-    if a is None:
-        return False
-    return b is None or a > b
 
 
 # ---- slurmrestd JSON (v0.0.38; the number shapes of v0.0.39+ are accepted too) -------------------------------
@@ -561,7 +579,8 @@ def _db_exit(value: Any) -> int | None:
 
 
 def parse_rest_db_jobs(body: Mapping[str, Any]) -> list[AcctJob]:
-    """``GET /slurmdb/v0.0.38/job/{id}`` or ``/jobs``: accounting records with their steps."""
+    """``GET /slurmdb/v0.0.38/job/{id}`` or ``/jobs``: accounting records with their steps, a requeued job's
+    runs grouped (``group_runs``)."""
     jobs: list[AcctJob] = []
     for raw in _jobs(body):
         if not isinstance(raw, Mapping):
@@ -635,4 +654,4 @@ def parse_rest_db_jobs(body: Mapping[str, Any]) -> list[AcctJob]:
                 steps=steps,
             )
         )
-    return jobs
+    return group_runs(jobs)
