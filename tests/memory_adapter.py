@@ -25,6 +25,9 @@ class Script:
     steps: list[tuple[float, JobState]]
     exit_code: int | None = None
     reason: str = ""
+    started_at: float | None = None
+    """Seconds after submit when the scheduler started a job that no poll can see running (it ends at that very
+    moment: ``[(0, QUEUED), (1, FAILED)]`` with ``started_at=1`` is a job that exited at once)."""
 
 
 @dataclass
@@ -46,6 +49,9 @@ class _Job:
             if step == JobState.RUNNING and previous != JobState.SUSPENDED and previous != JobState.RUNNING:
                 start = at
             previous = step
+        unseen = self.script.started_at
+        if start is None and unseen is not None and elapsed >= unseen:
+            start = unseen
         return None if start is None else self.submitted_wall + timedelta(seconds=start)
 
 
@@ -115,6 +121,9 @@ class MemoryAdapter(SchedulerAdapter):
                 state = step
                 if step == JobState.RUNNING and started is None:
                     started = job.submitted + at
+        unseen = job.script.started_at
+        if started is None and unseen is not None and elapsed >= unseen:
+            started = job.submitted + unseen
         if job.cancelled_at is not None and not state.final:
             return JobState.CANCELLED, started
         return state, started

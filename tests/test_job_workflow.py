@@ -95,6 +95,28 @@ async def test_failed_job_keeps_exit_code_and_is_charged_for_what_it_used(
     check_usage(pipe, job_id, key_path)
 
 
+async def test_a_job_that_failed_at_once_started_and_has_one_final_record(
+    pipe: Pipeline, key_path: Path
+) -> None:
+    """No poll saw it run (queued, then failed), but the scheduler says it started: the chain sees it start
+    (the ``started`` callback) and then fail, and it settles on exactly one final record."""
+    adapter(pipe).default = Script([(0, Q), (0.6, F)], exit_code=3, reason="exit code 3", started_at=0.6)
+    job_id = pipe.submit()
+    results = await pipe.run_until_done([job_id])
+    assert results[job_id].state == F
+    assert pipe.states_of(job_id) == [Q, R, F]
+    events = [
+        e["details"]["event"]
+        for e in pipe.audit_events("job_lifecycle_event", job_id=job_id)
+        if e["details"]["event"] is not None
+    ]
+    assert events == ["submitted", "started", "failed"]
+    records = pipe.ledger.usage_records(job_id)
+    assert [r.is_final for r in records] == [True] and records[0].job_state == F
+    assert results[job_id].final_record_id == records[0].record_id
+    assert pipe.ledger.settlement(job_id) is not None
+
+
 async def test_strict_routing_without_decision_rejects_and_refunds(pipe: Pipeline) -> None:
     before = pipe.ledger.balance(TENANT)
     job_id = pipe.submit(decide=False, max_price="50")

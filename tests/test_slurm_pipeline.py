@@ -146,6 +146,23 @@ async def test_jobs_complete_fail_and_cancel_through_the_pipeline(
         )
 
 
+async def test_jobs_that_exit_at_once_start_and_settle_on_one_final_record(
+    pipe: Pipeline, env: dict[str, Any], key_path: Path
+) -> None:
+    """``exit 3`` at once: Slurm starts the job and ends it within its one-second clock (Start = End), so a poll
+    may see it queued, then failed. Every time, the chain sees it start (the ``started`` callback) and fail, and it
+    settles on exactly one final record."""
+    jobs = [submit(pipe, "#!/bin/bash\nexit 3\n") for _ in range(4)]
+    results = await pipe.run_until_done(jobs, timeout=240)
+    for job_id in jobs:
+        assert (results[job_id].state, results[job_id].exit_code) == (F, 3), results[job_id]
+        assert pipe.states_of(job_id) == [Q, R, F]
+        events = [e["details"]["event"] for e in pipe.audit_events("job_lifecycle_event", job_id)]
+        assert events.count("started") == 1 and events[-1] == "failed", events
+        check_usage(pipe, env, job_id, key_path)
+        assert results[job_id].final_record_id == pipe.ledger.usage_records(job_id)[-1].record_id
+
+
 async def test_a_comment_the_job_owner_edits_does_not_change_the_storage_charged(
     pipe: Pipeline, env: dict[str, Any]
 ) -> None:

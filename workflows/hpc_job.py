@@ -76,6 +76,9 @@ accounting is sent even with usage reporting off. Decided once per run, so runs 
 PATCH_UPGRADE_ON_CONTINUE_AS_NEW = "upgrade-on-continue-as-new"
 """Since 0.3: a job is pinned to the build of the workers that started it; when another build becomes current, the
 job continues as new at its next step and the new run starts on that build, so old builds drain."""
+PATCH_STARTED_BEFORE_FINAL = "started-before-final"
+"""A job the scheduler started that a poll first saw ended (it exited at once: queued, then failed) goes through
+running on the way, so the ``started`` callback fires and its final usage record is sent, whatever the polls saw."""
 CANCEL_BACKOFF_CAP = timedelta(minutes=5)
 _DONE = object()
 """What ``_guarded`` returns for a step that ran to its end."""
@@ -608,7 +611,7 @@ class HPCJobWorkflow:
             await self._transition(JobState.QUEUED, LifecycleEvent.QUEUED, "requeued by the scheduler")
             await self._transition(JobState.RUNNING, LifecycleEvent.STARTED, message, began=status.start_time)
             return
-        path = transition_path(self.c.state, target)
+        path = self._path_to(target, status)
         if self.c.started_at is None and (status.start_time is not None or JobState.RUNNING in path):
             # The job ran (perhaps between two polls): its usage starts when the scheduler started it.
             started = status.start_time or workflow.now()
@@ -620,6 +623,20 @@ class HPCJobWorkflow:
                 return
             began = status.start_time if self.c.state != JobState.SUSPENDED else None
             await self._transition(step, lifecycle_event(self.c.state, step), message, began=began)
+
+    def _path_to(self, target: JobState, status: NativeStatus) -> list[JobState]:
+        """The states to report on the way to ``target``: through running when the scheduler says a job that
+        ends now had started, though no poll saw it run."""
+        path = transition_path(self.c.state, target)
+        ran_unseen = (
+            target.final
+            and status.start_time is not None
+            and self.c.state.order < JobState.RUNNING.order
+            and JobState.RUNNING not in path
+        )
+        if ran_unseen and workflow.patched(PATCH_STARTED_BEFORE_FINAL):
+            return [*transition_path(self.c.state, JobState.RUNNING), target]
+        return path
 
     def _restarted(self, status: NativeStatus) -> bool:
         return (
