@@ -76,6 +76,16 @@ async def test_reconcile_agrees_with_sacct_for_jobs_of_every_outcome(
         return pipe.submit(job_id=sc.workflow_id(SCOPE.rstrip("-")), script=script, **spec)
 
     async with running_pipeline(client, config, key_path, adapter, task_queue) as pipe:
+        # Held (it never starts), then cancelled while pending: no record, and nothing to bill.
+        adapter.hold = True
+        never_ran = submit("#!/bin/bash\nsleep 300\n")
+        for _ in range(300):
+            await pipe.poller.poll_once()
+            if getattr(pipe.ledger.job(never_ran), "scheduler_job_id", None):
+                break
+            await asyncio.sleep(0.3)
+        adapter.hold = False
+        pipe.ledger.request_cancel(never_ran)
         jobs = {
             "completed": submit(
                 "#!/bin/bash\nsrun bash -c 'dd if=/dev/zero of=blob bs=1M count=8 status=none; rm -f blob; sleep 4'\n"
@@ -91,7 +101,8 @@ async def test_reconcile_agrees_with_sacct_for_jobs_of_every_outcome(
             await asyncio.sleep(0.3)
         await asyncio.sleep(2)  # let it run a moment: it has usage to reconcile
         pipe.ledger.request_cancel(jobs["cancelled"])
-        results = await pipe.run_until_done(list(jobs.values()), timeout=400)
+        results = await pipe.run_until_done([never_ran, *jobs.values()], timeout=400)
+    assert results[never_ran].state == JobState.CANCELLED and not pipe.ledger.usage_records(never_ran)
     assert {label: results[j].state for label, j in jobs.items()} == {
         "completed": JobState.COMPLETED,
         "failed": JobState.FAILED,
@@ -131,10 +142,16 @@ async def test_reconcile_agrees_with_sacct_for_jobs_of_every_outcome(
         assert lines["wall_clock_seconds"][1:3] == [row["ElapsedRaw"], row["ElapsedRaw"]]
         assert lines["cpu_time_seconds"][-1] == "ok" and lines["disk_bytes_written"][-1] == "ok"
 
+    # Slurm's accounting of the job cancelled while pending says 0 s, no start: it agrees with no records.
+    code, out = await cli("usage", "reconcile", "--job", never_ran)
+    held_id = pipe.ledger.job(never_ran).scheduler_job_id
+    assert code == 0, out
+    assert out.startswith(f"OK    job {never_ran}: {held_id} on {config.hpc.cluster_id} never ran"), out
+
     code, out = await cli("usage", "reconcile", "--since", "1h")
     assert code == 0 and out.rstrip().endswith(
         "4 jobs: 4 agree, 0 differ, 0 cannot be reconciled, 0 still running"
-    )
+    ), out
 
     # A record changed behind the provider's back: five seconds more than Slurm clocked.
     done = pipe.ledger.usage_records(jobs["completed"])[-1]

@@ -37,7 +37,7 @@ from virtengine_hpc.usage_format import form_problems, load_json
 
 if TYPE_CHECKING:
     from activities.chain.local_ledger import LocalLedger
-    from activities.schedulers.base import SchedulerAdapter
+    from activities.schedulers.base import Accounting, SchedulerAdapter
 
 KeyLookup = Callable[[UsageRecord], "Ed25519PublicKey | str"]
 """Returns the key to verify a record with, or a reason why there is none."""
@@ -422,19 +422,32 @@ async def _reconcile_job(
         return _Reconciled("FAIL", f"the scheduler's accounting of {where} cannot be read: {exc}")
     if not accounting.final or (not any(r.is_final for r in records) and job.state.active):
         return _Reconciled("SKIP", f"{where} is still running; its accounting is not final")
+    if not records:
+        return _unrecorded(where, accounting)
     resources = Resources.model_validate(job.raw_spec.get("resources") or {})
     theirs = meter(accounting.reading, resources)
     ours = sum_metrics([r.metrics for r in records])
     formats = sorted({r.version for r in records})
     # Format-1 records priced CPU and memory on other bases: only the run time compares with them.
-    compared = tuple(BASIS) if formats in ([], [2]) else ("wall_clock_seconds",)
+    compared = tuple(BASIS) if formats == [2] else ("wall_clock_seconds",)
     checks = reconcile(ours, theirs, metrics=compared)
     differ = [c.metric for c in checks if not c.ok]
     summary = (
-        f"{where}, {len(records)} records (format {', '.join(map(str, formats)) or '-'}), "
+        f"{where}, {len(records)} records (format {', '.join(map(str, formats))}), "
         f"{'differs in ' + ', '.join(differ) if differ else 'every metric within tolerance'}"
     )
     return _Reconciled("DIFF" if differ else "OK", summary, checks)
+
+
+def _unrecorded(where: str, accounting: Accounting) -> _Reconciled:
+    """A job that ended on its scheduler and has no record on chain: right if it never ran, a finding if it did
+    (it ran, so it used its allocation, and nothing billed it)."""
+    seconds = accounting.reading.wall_clock_seconds
+    if accounting.start_time is None and seconds == 0:
+        return _Reconciled("OK", f"{where} never ran: nothing used, nothing recorded")
+    return _Reconciled(
+        "DIFF", f"{where} ran ({canonical_decimal(seconds)} s) but the chain holds no usage record of it"
+    )
 
 
 def _show(value: Decimal | None) -> str:
