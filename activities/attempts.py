@@ -26,7 +26,7 @@ import asyncio
 import logging
 from collections import Counter
 from collections.abc import Awaitable
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any, TypeVar
 
 from pydantic import Field, ValidationError
@@ -67,22 +67,51 @@ class AttemptProgress(Model):
 class Attempt:
     """The current activity attempt: its number and the progress it (and the attempts before it) made."""
 
-    def __init__(self, number: int, activity_type: str, progress: AttemptProgress) -> None:
+    def __init__(
+        self,
+        number: int,
+        activity_type: str,
+        progress: AttemptProgress,
+        *,
+        started: datetime | None = None,
+        timeouts: tuple[timedelta | None, ...] = (),
+    ) -> None:
         self.number = number
         self.activity_type = activity_type
         self.progress = progress
         self.resumed = progress != AttemptProgress()
+        self._started = started
+        self._timeouts = [t for t in timeouts if t]
 
     @classmethod
     def current(cls) -> Attempt:
         """This attempt, resumed from the details the previous attempt heartbeated (if any)."""
         info = activity.info()
-        return cls(info.attempt, info.activity_type, _resume(info.heartbeat_details))
+        return cls(
+            info.attempt,
+            info.activity_type,
+            _resume(info.heartbeat_details),
+            started=info.started_time,
+            timeouts=(info.heartbeat_timeout, info.start_to_close_timeout),
+        )
 
     @property
     def first(self) -> bool:
         """No earlier attempt ran: nothing this activity does can have been done before."""
         return self.number == 1 and not self.resumed
+
+    @property
+    def alone_until(self) -> datetime | None:
+        """Until when no other attempt of this activity can be running: ``None`` unless this is the first.
+
+        Temporal starts a retry only once this attempt has failed or timed out, and it times out at the earliest
+        its shortest timeout (heartbeat or start-to-close) after its start, both on the server's clock. Half that
+        timeout is kept as a margin for the difference between this worker's clock and the server's (and for the
+        retry's own start): what this attempt does before the instant returned, a retry finds done.
+        """
+        if not self.first or self._started is None or not self._timeouts:
+            return None
+        return self._started + min(self._timeouts) / 2
 
     def record(self, **fields: Any) -> None:
         """Add to the progress and heartbeat it now (field names are checked against ``AttemptProgress``)."""

@@ -251,7 +251,8 @@ class JobActivities:
         heartbeat details adopts it without a lookup, a retry without it looks the job up first, and a first
         attempt (nothing before it can have made a job) submits straight away. After every submission or
         adoption the adapter reconciles duplicates made by racing attempts: the oldest job is kept, the others
-        are cancelled (audit ``duplicate_job_cancelled``).
+        are cancelled (audit ``duplicate_job_cancelled``); a first attempt whose job was accepted before any retry
+        could have started (``Attempt.alone_until``) skips that check, since a retry would find its job.
         """
         adapter = self.adapter(request.cluster_id)
         attempt = Attempt.current()
@@ -268,6 +269,7 @@ class JobActivities:
                         exclusive=resolved.exclusive,
                         first_attempt=attempt.first,
                         known_job_id=known,
+                        alone_until=attempt.alone_until,
                     ),
                     on_submitted=attempt.submitted,
                 ),

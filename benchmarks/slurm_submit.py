@@ -1,23 +1,30 @@
-"""Benchmark of the SLURM adapter on the local cluster: submissions per second against the transport's raw limit,
-and scheduler queries per poll interval with 1,000 held jobs watched through the worker's ``StatusBatcher``.
+"""Benchmark of the SLURM adapter on the local cluster: submissions per second against the transport's raw limit
+(and PSI/J, a peer, beside them), and scheduler queries per poll interval with held jobs watched through the
+worker's ``StatusBatcher``.
 
 Run (root, cluster up via ``temporal-dev/slurm-up.sh``)::
 
-    .venv/bin/python -m benchmarks.slurm_submit [--transport cli|ssh|rest] [--jobs 1000] [--raw 200]
-        [--sequential 50] [--concurrency 32] [--interval 1.0] [--rounds 5]
+    .venv/bin/python -m benchmarks.slurm_submit [--transport all|cli|ssh|rest] [--raw 100] [--sequential 100]
+        [--submit-rounds 3] [--concurrent] [--jobs 1000] [--concurrency 32] [--interval 1.0] [--rounds 5]
 
-All jobs are submitted held (``--hold``: they never run), named ``vehpc-bench-<run>-*``, and cancelled at the end
-(also after an error). Figures go to ``docs/benchmarks.md``.
+All jobs are submitted held (``--hold``: they never run; PSI/J's with ``--begin`` an hour ahead, its template
+has no flag without a value), named ``vehpc-bench-<run>-*``, and cancelled at the end (also after an error).
+Figures go to ``docs/benchmarks.md``. Each round runs, one submission at a time and side by side:
 
-* raw limit: a plain loop of the transport's own submission (``sbatch --parsable --hold`` in one bash loop for the
+* raw loop: a plain loop of the transport's own submission (``sbatch --parsable --hold`` in one bash loop for the
   CLI; ``sbatch`` over one kept SSH connection; keep-alive ``POST /slurm/<v>/job/submit`` for slurmrestd).
-* the adapter, one submit at a time, as the submit activity's first attempt calls it: ``sbatch`` at once (nothing
-  can have made the job yet), then the check for duplicates of racing attempts (one controller query). That
-  check is the price of exactly-once; a retried submit also looks the job up (controller and accounting) first.
-* the adapter, ``--concurrency`` submits in flight (a worker runs many submit activities at once): concurrent
-  checks coalesce into one controller query per batch.
-* batching: one watcher per job calls ``StatusBatcher.status`` round after round, as every ``watch_job`` activity of
-  a worker does; the benchmark counts the scheduler queries the adapter actually makes per interval.
+* the adapter as the submit activity's first attempt calls it when it runs on time (``alone_until`` ahead: no
+  retry can have started, so ``sbatch`` and nothing else).
+* the adapter with a check for duplicates after each submission (one controller query): what every first attempt
+  paid before, and what an attempt past its window (a zombie) still pays.
+* PSI/J's SLURM executor (``psij-python``, if installed: ``pip install psij-python``; a benchmark dependency, not
+  the project's), one ``submit`` at a time. PSI/J submits with the local ``sbatch`` only: its figure is printed
+  beside every transport as the peer's rate on this cluster.
+
+``--concurrent`` adds the adapter with ``--concurrency`` submits in flight (a worker runs many submit activities
+at once), and ``--jobs`` watchers the batching part: one watcher per job calls ``StatusBatcher.status`` round
+after round, as every ``watch_job`` activity of a worker does; the benchmark counts the scheduler queries the
+adapter actually makes per interval.
 """
 
 from __future__ import annotations
@@ -27,10 +34,13 @@ import asyncio
 import contextlib
 import json
 import os
+import signal
 import statistics
 import subprocess
+import tempfile
 import time
 import uuid
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -85,7 +95,12 @@ def make_adapter(env: dict[str, Any], transport: str) -> SlurmAdapter:
     return adapter
 
 
-def request(run: str, n: int) -> SubmitRequest:
+ON_TIME = timedelta(seconds=5)
+"""How long the submit activity's first attempt runs alone with the workflow's 10 s heartbeat timeout."""
+
+
+def request(run: str, n: int, *, alone: bool = False) -> SubmitRequest:
+    """The request of a first attempt; ``alone``: one that runs on time (``alone_until`` ahead, no check)."""
     wf = f"bench-{run}-{n}"
     job = JobSpec(
         job_id=wf,
@@ -95,7 +110,13 @@ def request(run: str, n: int) -> SubmitRequest:
         script="true\n",
         resources={"memory_mb_per_node": 64},
     )
-    return SubmitRequest(workflow_id=wf, job=job, body="true\n", first_attempt=True)
+    return SubmitRequest(
+        workflow_id=wf,
+        job=job,
+        body="true\n",
+        first_attempt=True,
+        alone_until=datetime.now(UTC) + ON_TIME if alone else None,
+    )
 
 
 # ---- raw limits ------------------------------------------------------------------------------------------------
@@ -170,11 +191,57 @@ async def raw_rest_loop(env: dict[str, Any], run: str, count: int) -> tuple[floa
 
 
 async def adapter_sequential(
-    adapter: SlurmAdapter, run: str, start: int, count: int
+    adapter: SlurmAdapter, run: str, start: int, count: int, *, alone: bool
 ) -> tuple[float, list[str]]:
     started = time.perf_counter()
-    ids = [(await adapter.submit(request(run, n))).scheduler_job_id for n in range(start, start + count)]
+    ids = [
+        (await adapter.submit(request(run, n, alone=alone))).scheduler_job_id
+        for n in range(start, start + count)
+    ]
     return count / (time.perf_counter() - started), ids
+
+
+class Psij:
+    """PSI/J's SLURM executor on the local cluster, one ``submit`` at a time (``None`` if not installed)."""
+
+    def __init__(self, env: dict[str, Any]) -> None:
+        os.environ["SLURM_CONF"] = env["slurm_conf"]  # PSI/J runs sbatch with this process's environment
+        import psij  # type: ignore[import-not-found,unused-ignore]
+        from psij.executors.batch.slurm import (  # type: ignore[import-not-found,unused-ignore]
+            SlurmExecutorConfig,
+        )
+
+        self.psij = psij
+        self.account = env["account"]
+        self.work = Path(tempfile.mkdtemp(prefix="vehpc-bench-psij-"))
+        config = SlurmExecutorConfig(
+            work_directory=self.work, queue_polling_interval=3600, initial_queue_polling_delay=3600
+        )
+        self.executor = psij.JobExecutor.get_instance("slurm", config=config)
+
+    @classmethod
+    def load(cls, env: dict[str, Any]) -> Psij | None:
+        try:
+            return cls(env)
+        except ImportError:
+            return None
+
+    def loop(self, run: str, count: int) -> tuple[float, list[str]]:
+        ids = []
+        started = time.perf_counter()
+        for i in range(count):
+            spec = self.psij.JobSpec(
+                executable="/bin/true",
+                name=f"vehpc-bench-{run}-psij-{i}",
+                directory=Path("/tmp"),
+                attributes=self.psij.JobAttributes(
+                    account=self.account, custom_attributes={"slurm.begin": "now+3600"}
+                ),
+            )
+            job = self.psij.Job(spec)
+            self.executor.submit(job)
+            ids.append(str(job.native_id))
+        return count / (time.perf_counter() - started), ids
 
 
 async def adapter_concurrent(
@@ -185,7 +252,7 @@ async def adapter_concurrent(
 
     async def one(n: int) -> str:
         async with slots:
-            return (await adapter.submit(request(run, n))).scheduler_job_id
+            return (await adapter.submit(request(run, n, alone=True))).scheduler_job_id
 
     started = time.perf_counter()
     ids = await asyncio.gather(*(one(n) for n in range(start, start + count)))
@@ -259,61 +326,141 @@ async def raw_loop(env: dict[str, Any], transport: str, run: str, count: int) ->
     return await raw_rest_loop(env, run, count)
 
 
+async def one_at_a_time(
+    env: dict[str, Any], transport: str, run: str, args: argparse.Namespace, psij: Psij | None
+) -> dict[str, Any]:
+    """Alternating rounds of the raw loop, the adapter (first attempt on time, and with the check), PSI/J."""
+    adapter = make_adapter(env, transport)
+    rates: dict[str, list[float]] = {"raw": [], "first_attempt": [], "checked": [], "psij": []}
+    n = 0
+    try:
+        await adapter.status_batch(["1"])  # connect and check the cluster outside the timings
+        for r in range(args.submit_rounds):
+            rates["raw"].append((await raw_loop(env, transport, f"{run}{transport}r{r}", args.raw))[0])
+            for key, alone, count in (
+                ("first_attempt", True, args.sequential),
+                ("checked", False, args.checked),
+            ):
+                rate, _ = await adapter_sequential(adapter, f"{run}{transport}", n, count, alone=alone)
+                rates[key].append(rate)
+                n += count
+            if psij is not None:
+                rates["psij"].append(psij.loop(f"{run}{transport}r{r}", args.sequential)[0])
+        calls = adapter.calls
+    finally:
+        with contextlib.suppress(Exception):
+            await adapter.close()
+        cancel_run(env, f"{run}{transport}")  # the next transport's figures do not pay for these jobs
+    medians = {k: statistics.median(v) for k, v in rates.items() if v}
+    return {
+        "transport": transport,
+        "per_s": {k: [round(x, 1) for x in v] for k, v in rates.items() if v},
+        "median_per_s": {k: round(v, 1) for k, v in medians.items()},
+        "ratio_to_raw": {k: round(v / medians["raw"], 2) for k, v in medians.items() if k != "raw"},
+        "scheduler_calls": calls,
+    }
+
+
+def print_table(results: list[dict[str, Any]]) -> None:
+    print("\none submission at a time, jobs/s (median of rounds; ratio to the transport's raw loop)")
+    print(
+        f"{'transport':9} {'raw loop':>9} {'first attempt':>19} {'checked (before)':>19} {'PSI/J (local)':>19}"
+    )
+    for result in results:
+        median, ratio = result["median_per_s"], result["ratio_to_raw"]
+        cells = [
+            f"{median[k]:7.1f} ({ratio[k]:.2f})" if k in median else "-"
+            for k in ("first_attempt", "checked", "psij")
+        ]
+        print(f"{result['transport']:9} {median['raw']:9.1f} {cells[0]:>19} {cells[1]:>19} {cells[2]:>19}")
+
+
+async def concurrent_and_batching(
+    env: dict[str, Any], transport: str, run: str, args: argparse.Namespace
+) -> dict[str, Any]:
+    """Submits in flight against the raw loop, then the queries per poll of ``--jobs`` watchers."""
+    adapter = make_adapter(env, transport)
+    report: dict[str, Any] = {}
+    ids: list[str] = []
+    n = 100_000
+    try:
+        await adapter.status_batch(["1"])
+        raw_rates, conc_rates, batches = [], [], 0
+        for r in range(args.submit_rounds):
+            rate, got = await raw_loop(env, transport, f"{run}{transport}c{r}", args.raw)
+            raw_rates.append(rate)
+            ids += got
+            rate, got, b = await adapter_concurrent(
+                adapter, f"{run}{transport}", n, args.raw, args.concurrency
+            )
+            conc_rates.append(rate)
+            batches += b
+            ids += got
+            n += args.raw
+        report["concurrent"] = {
+            "raw_loop_per_s": [round(x) for x in raw_rates],
+            "adapter_concurrent_per_s": [round(x) for x in conc_rates],
+            "concurrency": args.concurrency,
+            "check_batches": batches,
+            "ratio_concurrent_median": round(statistics.median(conc_rates) / statistics.median(raw_rates), 2),
+        }
+        print(json.dumps(report["concurrent"], indent=1), flush=True)
+        if len(ids) < args.jobs:  # fill up to --jobs held jobs for the batching part
+            _, got, _ = await adapter_concurrent(
+                adapter, f"{run}{transport}", n, args.jobs - len(ids), args.concurrency
+            )
+            ids += got
+        report["batching"] = await batched_polling(adapter, ids[: args.jobs], args.interval, args.rounds)
+        print(json.dumps(report["batching"], indent=1), flush=True)
+    finally:
+        with contextlib.suppress(Exception):
+            await adapter.close()
+    return report
+
+
 async def main() -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
-    parser.add_argument("--transport", choices=("cli", "ssh", "rest"), default="cli")
-    parser.add_argument("--jobs", type=int, default=1000, help="held jobs watched in the batching part")
+    parser.add_argument("--transport", choices=("all", "cli", "ssh", "rest"), default="all")
+    parser.add_argument("--raw", type=int, default=100, help="jobs per raw loop (and per concurrent run)")
     parser.add_argument(
-        "--raw", type=int, default=100, help="jobs per raw loop and per concurrent adapter run"
+        "--sequential", type=int, default=100, help="jobs per round of each one-at-a-time submitter"
     )
-    parser.add_argument("--sequential", type=int, default=20, help="adapter submits one at a time, per round")
+    parser.add_argument(
+        "--checked",
+        type=int,
+        default=20,
+        help="jobs per round of the adapter checking after each submit (slow over slurmrestd: its check lists "
+        "every job the controller holds)",
+    )
+    parser.add_argument("--submit-rounds", type=int, default=3, help="alternating rounds")
+    parser.add_argument("--no-psij", action="store_true", help="leave PSI/J out even if installed")
+    parser.add_argument(
+        "--concurrent", action="store_true", help="also submits in flight and the batching part"
+    )
+    parser.add_argument("--jobs", type=int, default=1000, help="held jobs watched in the batching part")
     parser.add_argument("--concurrency", type=int, default=32, help="adapter submits in flight")
-    parser.add_argument("--submit-rounds", type=int, default=3, help="alternating raw/adapter rounds")
     parser.add_argument("--interval", type=float, default=1.0, help="StatusBatcher poll interval (s)")
     parser.add_argument("--rounds", type=int, default=5, help="polls per watcher")
     args = parser.parse_args()
     env = load_env()
     run = uuid.uuid4().hex[:6]
-    adapter = make_adapter(env, args.transport)
-    report: dict[str, Any] = {"transport": args.transport, "run": run}
-    ids: list[str] = []
-    n = 0
+    transports = ("cli", "ssh", "rest") if args.transport == "all" else (args.transport,)
+    psij = None if args.no_psij else Psij.load(env)
+    if psij is None and not args.no_psij:
+        print("psij-python is not installed: PSI/J left out (pip install psij-python)", flush=True)
+    results = []
+    main_task = asyncio.current_task()
+    assert main_task is not None
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, main_task.cancel)  # still cancel the jobs
     try:
-        await adapter.status_batch(["1"])  # connect and check the cluster outside the timings
-        raw_rates, conc_rates, seq_rates, batches = [], [], [], 0
-        for r in range(args.submit_rounds):
-            rate, got = await raw_loop(env, args.transport, f"{run}r{r}", args.raw)
-            raw_rates.append(rate)
-            ids += got
-            rate, got, b = await adapter_concurrent(adapter, run, n, args.raw, args.concurrency)
-            conc_rates.append(rate)
-            batches += b
-            ids += got
-            n += args.raw
-            rate, got = await adapter_sequential(adapter, run, n, args.sequential)
-            seq_rates.append(rate)
-            ids += got
-            n += args.sequential
-        raw, conc, seq = (statistics.median(x) for x in (raw_rates, conc_rates, seq_rates))
-        report["submit"] = {
-            "raw_loop_per_s": [round(x) for x in raw_rates],
-            "adapter_concurrent_per_s": [round(x) for x in conc_rates],
-            "adapter_sequential_per_s": [round(x, 1) for x in seq_rates],
-            "concurrency": args.concurrency,
-            "scheduler_queries": dict(adapter.calls),
-            "check_batches": batches,
-            "ratio_concurrent_median": round(conc / raw, 2),
-            "ratio_sequential_median": round(seq / raw, 2),
-        }
-        print(json.dumps(report["submit"], indent=1), flush=True)
-        if len(ids) < args.jobs:  # fill up to --jobs held jobs for the batching part
-            _, got, _ = await adapter_concurrent(adapter, run, n, args.jobs - len(ids), args.concurrency)
-            ids += got
-        report["batching"] = await batched_polling(adapter, ids, args.interval, args.rounds)
-        print(json.dumps(report["batching"], indent=1), flush=True)
+        for transport in transports:
+            results.append(await one_at_a_time(env, transport, run, args, psij))
+            print(json.dumps(results[-1], indent=1), flush=True)
+        print_table(results)
+        if args.concurrent:
+            for transport in transports:
+                await concurrent_and_batching(env, transport, run, args)
     finally:
-        with contextlib.suppress(Exception):
-            await adapter.close()
         print(f"cancelled {cancel_run(env, run)} benchmark jobs", flush=True)
 
 

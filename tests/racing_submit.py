@@ -4,6 +4,8 @@
 
 Runs the real activity (real SLURM adapter over TRANSPORT, jobs held so they never run) as attempt ATTEMPT
 with no heartbeat details, as a retry on another worker runs when its predecessor's heartbeats never arrived.
+Every attempt started a minute ago with a 10 s heartbeat timeout: attempt 1 is a zombie, past the time Temporal
+timed it out, which is the only way an attempt 1 can run beside its retry.
 Right before its ``sbatch`` it waits until the other process got there too (files in BARRIER_DIR), so both
 attempts submit: the race a timed-out attempt and its retry can run. Prints the activity's output as JSON.
 """
@@ -14,6 +16,7 @@ import asyncio
 import dataclasses
 import sys
 import time
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -52,7 +55,14 @@ async def main(
         config, Secrets(provider_signing_key_path=key), adapters={config.hpc.cluster_id: adapter}
     )
     activity_env = ActivityEnvironment()
-    activity_env.info = dataclasses.replace(activity_env.info, attempt=attempt, activity_type="submit_job")
+    activity_env.info = dataclasses.replace(
+        activity_env.info,
+        attempt=attempt,
+        activity_type="submit_job",
+        started_time=datetime.now(UTC) - timedelta(seconds=60),
+        heartbeat_timeout=timedelta(seconds=10),
+        start_to_close_timeout=timedelta(seconds=300),
+    )
     try:
         out = await activity_env.run(
             deps.activities.submit_job,

@@ -28,7 +28,7 @@ from temporalio import activity
 from temporalio.exceptions import ApplicationError
 from temporalio.testing import ActivityEnvironment
 
-from activities.attempts import LOST_ATTEMPTS, AttemptProgress, heartbeating
+from activities.attempts import LOST_ATTEMPTS, Attempt, AttemptProgress, heartbeating
 from activities.audit import read_events
 from activities.chain.client import UsageSubmitResult
 from activities.chain.local_ledger import LocalLedger
@@ -330,9 +330,10 @@ async def test_two_attempts_racing_on_two_processes_leave_one_slurm_job(
 async def test_a_first_attempt_submits_at_once_and_a_retry_adopts_its_heartbeated_job(
     tmp_path: Path, key_path: Path
 ) -> None:
-    """Attempt 1 cannot find a job nobody made: it runs ``sbatch`` without the ~90 ms accounting lookup,
-    heartbeats the job id at once, and checks for duplicates with one controller query. Its retry (the answer
-    lost) reads the id from the heartbeat details and adopts it: no lookup, no second ``sbatch``."""
+    """Attempt 1 cannot find a job nobody made: it runs ``sbatch`` without the ~90 ms accounting lookup and
+    heartbeats the job id at once. No retry can have started while it ran alone (within half its heartbeat
+    timeout), so it asks nothing else either: one ``sbatch``, nothing more. Its retry (the answer lost) reads the
+    id from the heartbeat details and adopts it: no lookup, no second ``sbatch``."""
     env = sc.cluster()
     adapter = sc.adapter(env, "cli", hold=True)
     config = make_config(tmp_path)
@@ -348,12 +349,16 @@ async def test_a_first_attempt_submits_at_once_and_a_retry_adopts_its_heartbeate
         await adapter._ready()  # the one-time cluster check is not part of a submission
         before = adapter.calls
         first = ActivityEnvironment()
+        first.info = dataclasses.replace(
+            first.info,
+            started_time=datetime.now(UTC),
+            heartbeat_timeout=timedelta(seconds=10),
+            start_to_close_timeout=timedelta(seconds=300),
+        )
         first.on_heartbeat = lambda *details: beats.append(details)
         submitted = await first.run(deps.activities.submit_job, request)
         used = Counter(adapter.calls) - Counter(before)
-        assert used == {"sbatch": 1, "squeue": 1}, (
-            "no lookup before the submit; the check asks the controller"
-        )
+        assert used == {"sbatch": 1}, "no lookup before the submit and no check after it"
         progress = [d[0] for d in beats if d]
         assert progress and progress[0].scheduler_job_id == submitted.scheduler_job_id, "heartbeated at once"
 
@@ -374,6 +379,56 @@ async def test_a_first_attempt_submits_at_once_and_a_retry_adopts_its_heartbeate
     finally:
         await deps.close()
         sc.cancel_test_jobs(env, "attempts-heartbeat")
+
+
+@pytest.mark.slurm
+async def test_a_first_attempt_past_its_window_checks_and_yields_to_its_retrys_job(
+    tmp_path: Path, key_path: Path
+) -> None:
+    """A zombie attempt 1 (it started a minute ago and Temporal gave it up after its 10 s heartbeat timeout)
+    submits after its retry already did: its job is the newer one, so its check cancels it and it answers with
+    the retry's job. Skipping the check is only for an attempt that still runs alone."""
+    env = sc.cluster()
+    adapter = sc.adapter(env, "cli", hold=True)
+    config = make_config(tmp_path)
+    deps = build_worker_deps(
+        config, Secrets(provider_signing_key_path=key_path), adapters={config.hpc.cluster_id: adapter}
+    )
+    wf = sc.workflow_id("attempts-zombie")
+    job = sc.on_chain(config, sc.spec(wf, "echo never\n"))
+    request = SubmitInput(workflow_id=wf, job=job, cluster_id=config.hpc.cluster_id)
+    try:
+        retrys = await adapter.submit(SubmitRequest(workflow_id=wf, job=job, body="echo never\n"))
+        zombie = ActivityEnvironment()
+        zombie.info = dataclasses.replace(
+            zombie.info,
+            started_time=datetime.now(UTC) - timedelta(seconds=60),
+            heartbeat_timeout=timedelta(seconds=10),
+            start_to_close_timeout=timedelta(seconds=300),
+        )
+        answer = await zombie.run(deps.activities.submit_job, request)
+        assert answer == SubmitOutput(scheduler_job_id=retrys.scheduler_job_id, adopted=True)
+        states = controller_states(env, wf)
+        assert len(states) == 2 and states.pop(retrys.scheduler_job_id) == "PENDING"
+        assert list(states.values()) == ["CANCELLED"], "the zombie's own job was cancelled"
+    finally:
+        await deps.close()
+        sc.cancel_test_jobs(env, "attempts-zombie")
+
+
+def test_only_a_first_attempt_runs_alone_and_only_for_half_its_shortest_timeout() -> None:
+    """The window in which no retry can have started: the attempt's start (server clock) plus half of its
+    shortest timeout; none for a retry, for a first attempt resumed from details, or without any timeout."""
+    start = datetime(2026, 12, 1, 21, 0, tzinfo=UTC)
+    timeouts = (timedelta(seconds=10), timedelta(seconds=300))
+    first = Attempt(1, "submit_job", AttemptProgress(), started=start, timeouts=timeouts)
+    assert first.alone_until == start + timedelta(seconds=5)
+    assert Attempt(2, "submit_job", AttemptProgress(), started=start, timeouts=timeouts).alone_until is None
+    resumed = AttemptProgress(scheduler_job_id="42")
+    assert Attempt(1, "submit_job", resumed, started=start, timeouts=timeouts).alone_until is None
+    assert (
+        Attempt(1, "submit_job", AttemptProgress(), started=start, timeouts=(None, None)).alone_until is None
+    )
 
 
 # ---- usage: the signed record is heartbeated, re-sent, and on "duplicate" the stored one is carried ---------------

@@ -8,7 +8,8 @@ exceptions (``virtengine_hpc.errors``) into Temporal errors. The contract, which
   earlier attempt heartbeated (``known_job_id``) adopts it without a lookup; a first attempt
   (``first_attempt``) submits without one. ``on_submitted`` hears the new job's id the moment the scheduler
   answers. Adapters whose jobs can be duplicated (two attempts racing) then reconcile: of the jobs carrying the
-  workflow id the oldest is kept and returned, the others are cancelled and named in ``duplicates_cancelled``.
+  workflow id the oldest is kept and returned, the others are cancelled and named in ``duplicates_cancelled``;
+  a first attempt whose job was accepted while it still ran alone (``alone_until``) has no one to race.
 * ``status_batch`` answers for many jobs with one scheduler query (invariant 4). A job the queue no longer shows is
   looked up in accounting; a job found nowhere is reported with ``found=False`` and never assumed completed
   (invariant 5). A failed query raises ``SchedulerUnavailable``: it is never a state change.
@@ -50,6 +51,12 @@ class SubmitRequest(Model):
         max_length=128,
         description="The job an earlier attempt of this submission created and heartbeated: adopted without a "
         "lookup (duplicates are still reconciled).",
+    )
+    alone_until: datetime | None = Field(
+        None,
+        description="A first attempt runs alone until this instant (no retry of it can have started yet): a job "
+        "the scheduler accepted before then needs no check for duplicates, since any later attempt finds it when "
+        "it looks first. None: check after every submission.",
     )
 
 

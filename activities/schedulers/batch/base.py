@@ -17,6 +17,9 @@ scheduler only contributes command builders, parsers and a state table.
   with submission order, so whichever attempt checks last sees every older job, and all attempts keep the same
   one. The check runs to its end even if the attempt is cancelled meanwhile, and an attempt cancelled while its
   submission was in flight (the command killed, the job perhaps created) runs the check in the background.
+  One submission needs no check: a first attempt's first try whose job the scheduler accepted while the attempt
+  still ran alone (``SubmitRequest.alone_until``, before any retry of it can have started). A retry looks first
+  and so finds that job; only an attempt that outlived its window (a zombie) can race one, and it checks.
 * **Lookups coalesce.** Concurrent lookups share one scheduler query (group commit), so neither the lookup of a
   retry nor the check after each submit multiplies the scheduler's load when many jobs are submitted at once.
   The check after a submit asks only what the scheduler still holds (``_lookup_live``: a racing duplicate is
@@ -31,6 +34,7 @@ import logging
 import re
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from typing import Generic, Protocol, TypeVar
 
 from activities.schedulers.base import SchedulerAdapter, SubmitRequest, SubmitResult
@@ -322,8 +326,9 @@ class BatchSchedulerAdapter(SchedulerAdapter, abc.ABC):
                 if existing is not None:
                     log.info("workflow %s: adopting scheduler job %s", request.workflow_id, existing)
                     return await self._check(request.workflow_id, existing, adopted=True)
+            alone_until = None if look_first else request.alone_until
             look_first = True  # a failed submission may have created the job: look before trying again
-            return await self._submit_then_check(request, on_submitted)
+            return await self._submit_then_check(request, on_submitted, alone_until)
 
         gate = self._submitting.setdefault(request.workflow_id, _Gate())
         gate.users += 1
@@ -336,13 +341,17 @@ class BatchSchedulerAdapter(SchedulerAdapter, abc.ABC):
                 del self._submitting[request.workflow_id]
 
     async def _submit_then_check(
-        self, request: SubmitRequest, on_submitted: Callable[[str], None] | None
+        self,
+        request: SubmitRequest,
+        on_submitted: Callable[[str], None] | None,
+        alone_until: datetime | None = None,
     ) -> SubmitResult:
         """Submit, then reconcile; the reconciliation is not given up with a cancelled attempt.
 
         Once a job may exist, the check that cancels a duplicate must run: if the attempt is cancelled while
         the submission is in flight (its command killed, perhaps after the scheduler took the job), a lookup
-        runs in the background; if it is cancelled during the check, the check runs on."""
+        runs in the background; if it is cancelled during the check, the check runs on. A job accepted before
+        ``alone_until`` is not checked: no other attempt can have submitted yet, and any later one finds it."""
         try:
             job_id = await self._submit_new(request)
         except asyncio.CancelledError:
@@ -350,6 +359,8 @@ class BatchSchedulerAdapter(SchedulerAdapter, abc.ABC):
             raise
         if on_submitted is not None:
             on_submitted(job_id)
+        if alone_until is not None and datetime.now(UTC) < alone_until:
+            return SubmitResult(scheduler_job_id=job_id)
         check = self._in_background(self._check(request.workflow_id, job_id, adopted=False))
         result = await asyncio.shield(check)
         assert result is not None
