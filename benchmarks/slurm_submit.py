@@ -52,6 +52,7 @@ from activities.schedulers.slurm import SlurmAdapter
 from activities.schedulers.slurm.script import plan_submission, render_rest_job
 from activities.schedulers.slurm.transports import SSHRunner
 from virtengine_hpc.config import Secrets, load_config
+from virtengine_hpc.errors import SchedulerUnavailable
 from virtengine_hpc.models import JobSpec
 
 REPO = Path(__file__).resolve().parents[1]
@@ -302,12 +303,17 @@ async def batched_polling(
 
 
 def cancel_run(env: dict[str, Any], run: str) -> int:
-    out = subprocess.run(
-        ["squeue", "-h", "-o", "%A|%j"],
-        env={**os.environ, "SLURM_CONF": env["slurm_conf"]},
-        capture_output=True,
-        text=True,
-    ).stdout
+    for _ in range(10):  # a busy controller can time squeue out: the jobs must still go
+        listed = subprocess.run(
+            ["squeue", "-h", "-o", "%A|%j"],
+            env={**os.environ, "SLURM_CONF": env["slurm_conf"]},
+            capture_output=True,
+            text=True,
+        )
+        if listed.returncode == 0:
+            break
+        time.sleep(3)
+    out = listed.stdout
     ids = [x.split("|")[0] for x in out.splitlines() if f"vehpc-bench-{run}" in x]
     for chunk in range(0, len(ids), 500):
         subprocess.run(
@@ -341,7 +347,13 @@ async def one_at_a_time(
                 ("first_attempt", True, args.sequential),
                 ("checked", False, args.checked),
             ):
-                rate, _ = await adapter_sequential(adapter, f"{run}{transport}", n, count, alone=alone)
+                try:
+                    rate, _ = await adapter_sequential(adapter, f"{run}{transport}", n, count, alone=alone)
+                except (
+                    SchedulerUnavailable
+                ) as exc:  # slurmrestd's job list can take minutes on a busy cluster
+                    print(f"{transport} {key}: {exc}", flush=True)
+                    rate = 0.0
                 rates[key].append(rate)
                 n += count
             if psij is not None:

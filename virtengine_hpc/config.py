@@ -134,7 +134,23 @@ class JobServiceConfig(Section):
         "long a job waits in the queue: that is max_queue_wait.",
     )
     max_concurrent_jobs: int = Field(
-        100, ge=1, le=100_000, description="Jobs in flight at once; the rest wait."
+        100,
+        ge=1,
+        le=100_000,
+        description="Jobs in flight at once on the cluster, whatever the number of pollers; the rest wait on chain.",
+    )
+    start_concurrency: int = Field(
+        16,
+        ge=1,
+        le=512,
+        description="Workflow starts the poller has in flight at once while it takes pending jobs.",
+    )
+    intake_lease: Duration = Field(
+        timedelta(seconds=30),
+        ge=timedelta(seconds=10),
+        description="Term of the lease that lets one poller of a cluster at a time start jobs (so that several "
+        "pollers never run more than max_concurrent_jobs). The holder renews it while it lives; if it dies, "
+        "another poller takes over within two terms.",
     )
     max_queue_wait: Duration | None = Field(
         None,

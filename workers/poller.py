@@ -1,20 +1,27 @@
 """The chain poller: starts one HPCJobWorkflow per pending on-chain job, idempotently.
 
-Every ``job_poll_interval`` it lists this provider's pending jobs for its cluster and starts a workflow whose id is
+Every ``job_poll_interval`` it reads this provider's pending jobs for its cluster and starts a workflow whose id is
 the chain job id, with the duplicate-id policy that refuses a second run: a poller restart, two pollers, or a job
 seen twice can never start a job twice (the reference kept its "seen" set in memory). It never lets more than
 ``max_concurrent_jobs`` workflows of its cluster run at once; the rest wait on chain (audit ``job_queue_full``),
 none is dropped. A job whose spec does not validate is failed on chain with the reason (audit
 ``job_validation_failed``) while every other job goes on.
 
+It keeps up with a long backlog: it **counts** the running workflows of its cluster in Temporal's visibility store
+(one ``count_workflows``) instead of listing them, asks which jobs of each page of pending jobs already have a
+workflow (one query per page), and starts ``start_concurrency`` workflows at a time. Visibility is eventually
+consistent, so two pollers counting at once would both fill the same free slots: only the poller that holds the
+cluster's intake lease (``workers/intake_lease.py``) starts jobs, and it adds the starts it made that visibility
+does not list yet to the count. The other pollers stand by, forward cancellations and reconcile.
+
 No job can stall the intake: a pending job whose workflow already ran and closed (terminated before it reported
 anything) is handed to the reconciler, which starts the run that closes it; a job whose start fails on its own is
 tried again with backoff while the fetch window grows past it, so the jobs behind it still start.
 
-Tenant cancellations seen on chain become ``cancel`` signals. Only Temporal's NOT_FOUND answer means "no
-workflow": then a job still pending on chain that never had a workflow is cancelled (and refunded) on chain
-directly, and one whose workflow closed goes to the reconciler. Any other error is retried next round and never
-touches the chain, since a workflow may still run the job.
+Tenant cancellations seen on chain become ``cancel`` signals, in a loop of their own: a backlog of starts never
+delays a cancel. Only Temporal's NOT_FOUND answer means "no workflow": then a job still pending on chain that never
+had a workflow is cancelled (and refunded) on chain directly, and one whose workflow closed goes to the reconciler.
+Any other error is retried next round and never touches the chain, since a workflow may still run the job.
 
 Beside the polls, the reconciler (``workers/reconciler.py``) runs its own loop every ``reconcile_interval``.
 """
@@ -25,7 +32,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -49,6 +56,7 @@ from virtengine_hpc.messages import (
 )
 from virtengine_hpc.models import accept_spec, spec_digest
 from virtengine_hpc.states import JobState
+from workers.intake_lease import IntakeLease
 from workers.metrics import WorkerMetrics
 from workers.reconciler import Backoff, Reconciler
 from workflows.hpc_job import initial_search_attributes
@@ -57,6 +65,10 @@ log = logging.getLogger(__name__)
 
 MAX_START_BACKOFF_SECONDS = 300.0
 """Longest wait before a job whose workflow start failed is tried again."""
+PAGE_SIZE = 500
+"""Pending jobs read from the chain, and looked up in visibility, at a time."""
+FORGET_STARTS_AFTER = 600.0
+"""Seconds after which a start this poller made counts as visible, even if visibility still does not list it."""
 _SERVICE_DOWN = frozenset(
     {RPCStatusCode.UNAVAILABLE, RPCStatusCode.DEADLINE_EXCEEDED, RPCStatusCode.RESOURCE_EXHAUSTED}
 )
@@ -72,6 +84,8 @@ class PollStats:
     paused: int = 0  # pending jobs left on chain because hpc.enabled is false
     recovered: list[str] = field(default_factory=list)  # closed workflows handed to the reconciler
     held: list[str] = field(default_factory=list)  # jobs whose start failed, waiting for their retry
+    standby: bool = False  # another poller holds the intake lease: nothing was started here
+    running: int = 0  # workflows of the cluster counted as running before the starts
 
 
 class ChainPoller:
@@ -86,6 +100,7 @@ class ChainPoller:
         settings: JobSettings,
         metrics: WorkerMetrics | None = None,
         clock: Callable[[], float] = time.monotonic,
+        lease: IntakeLease | None = None,
     ) -> None:
         self.client = client
         self.chain = chain
@@ -96,10 +111,14 @@ class ChainPoller:
         self.cluster_id = config.hpc.cluster_id
         self.provider = config.provider.address
         self.metrics = metrics
-        self._recent: dict[str, float] = {}  # started but perhaps not yet visible in the visibility store
+        self.clock = clock
+        self._recent: dict[str, float] = {}  # started here, not yet listed by the visibility store
         self._signalled: set[str] = set()
-        interval = config.hpc.job_service.job_poll_interval.total_seconds()
+        service = config.hpc.job_service
+        interval = service.job_poll_interval.total_seconds()
         self._holds = Backoff(max(interval, 1.0), MAX_START_BACKOFF_SECONDS, clock)
+        self.start_concurrency = service.start_concurrency
+        self.lease = lease or IntakeLease(client, self.cluster_id, term=service.intake_lease)
         self.reconciler = Reconciler(
             client,
             chain,
@@ -114,12 +133,18 @@ class ChainPoller:
             metrics.watch_poller(self.cluster_id)
 
     async def run(self, stop: asyncio.Event) -> None:
-        """Poll every ``job_poll_interval`` and reconcile every ``reconcile_interval`` until ``stop``."""
-        await asyncio.gather(self._poll_loop(stop), self.reconciler.run(stop))
+        """Until ``stop``: take pending jobs and forward cancellations every ``job_poll_interval``, each in a
+        loop of its own, keep the intake lease, and reconcile every ``reconcile_interval``."""
+        await asyncio.gather(
+            self._loop(stop, self.take_jobs, "poll"),
+            self._loop(stop, self.forward_cancellations, "cancellations"),
+            self.lease.keep(stop),
+            self.reconciler.run(stop),
+        )
 
-    async def _poll_loop(self, stop: asyncio.Event) -> None:
+    async def _loop(self, stop: asyncio.Event, round_: Callable[[], Awaitable[PollStats]], what: str) -> None:
         interval = self.config.hpc.job_service.job_poll_interval.total_seconds()
-        if not self.config.hpc.enabled:
+        if what == "poll" and not self.config.hpc.enabled:
             log.warning(
                 "hpc.enabled is false: no new jobs are taken; running jobs go on and tenant cancellations "
                 "are still forwarded",
@@ -127,74 +152,130 @@ class ChainPoller:
             )
         while not stop.is_set():
             try:
-                await self.poll_once()
-                if self.metrics is not None:
+                await round_()
+                if self.metrics is not None and what == "poll":
                     self.metrics.last_poll.labels(self.cluster_id).set(time.time())
             except HPCError as exc:  # chain unreachable: try again next round, lose nothing
-                log.warning("poll failed: %s", exc, extra={"cluster_id": self.cluster_id})
+                log.warning("%s failed: %s", what, exc, extra={"cluster_id": self.cluster_id})
                 self._count_failure("chain")
             except RPCError as exc:
-                log.warning("poll failed talking to Temporal: %s", exc, extra={"cluster_id": self.cluster_id})
+                log.warning(
+                    "%s failed talking to Temporal: %s", what, exc, extra={"cluster_id": self.cluster_id}
+                )
                 self._count_failure("temporal")
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), timeout=interval)
 
-    async def running_ids(self) -> set[str]:
-        query = (
-            f"WorkflowType = '{JOB_WORKFLOW_NAME}' AND ExecutionStatus = 'Running' "
-            f"AND VeClusterId = '{self.cluster_id}'"
-        )
-        ids = {wf.id async for wf in self.client.list_workflows(query)}
-        now = time.monotonic()
-        self._recent = {k: t for k, t in self._recent.items() if now - t < 60 and k not in ids}
-        return ids | set(self._recent)
-
     async def poll_once(self) -> PollStats:
-        stats = PollStats()
+        """One round of both loops: forward tenant cancellations, then take pending jobs."""
+        stats = await self.forward_cancellations()
+        return await self.take_jobs(stats)
+
+    async def forward_cancellations(self, stats: PollStats | None = None) -> PollStats:
+        stats = stats or PollStats()
         await self._forward_cancellations(stats)
+        return stats
+
+    async def take_jobs(self, stats: PollStats | None = None) -> PollStats:
+        """Start pending jobs while slots are free, if this poller holds the intake lease."""
+        stats = stats or PollStats()
         if not self.config.hpc.enabled:
             # Switched off: what runs finishes (its workflow needs nothing from here); nothing new starts.
-            running = await self.running_ids()
             pending_jobs = await self.chain.pending_jobs(self.cluster_id, self.provider, limit=1000)
+            running, _ = await self.reconciler.visible([job.job_id for job in pending_jobs])
             stats.paused = sum(1 for job in pending_jobs if job.job_id not in running)
             return stats
+        if not await self.lease.refresh():
+            stats.standby = True
+            self._set_gauges(0, 0)  # the holder's figures are the cluster's (the alerts take the max)
+            return stats
         limit = self.config.hpc.job_service.max_concurrent_jobs
-        running = await self.running_ids()
-        await self._take_pending(stats, running, limit - len(running))
+        stats.running = await self.count_running()
+        await self._take_pending(stats, limit - stats.running)
         if stats.waiting:
             self.audit.record(
                 "job_queue_full",
                 cluster_id=self.cluster_id,
                 success=False,
-                details={"waiting": stats.waiting, "running": len(running), "max_concurrent_jobs": limit},
+                details={"waiting": stats.waiting, "running": stats.running, "max_concurrent_jobs": limit},
             )
         return stats
 
-    async def _take_pending(self, stats: PollStats, running: set[str], free: int) -> None:
+    async def count_running(self) -> int:
+        """The cluster's running job workflows: visibility's count, plus the starts made here that it does not
+        list yet. The starts are looked up first: one listed then is in the count that follows."""
+        await self._forget_visible_starts()
+        query = (
+            f"WorkflowType = '{JOB_WORKFLOW_NAME}' AND ExecutionStatus = 'Running' "
+            f"AND VeClusterId = '{self.cluster_id}'"
+        )
+        return (await self.client.count_workflows(query)).count + len(self._recent)
+
+    async def _forget_visible_starts(self) -> None:
+        now = self.clock()
+        self._recent = {k: t for k, t in self._recent.items() if now - t < FORGET_STARTS_AFTER}
+        ids = list(self._recent)
+        for chunk in range(0, len(ids), PAGE_SIZE):
+            _, known = await self.reconciler.visible(ids[chunk : chunk + PAGE_SIZE])
+            for job_id in known:
+                self._recent.pop(job_id, None)
+
+    async def _take_pending(self, stats: PollStats, free: int) -> None:
         """Start pending jobs oldest first while slots are free. Jobs that cannot start right now (their start
         failed, or the reconciler is closing them) are stepped over, and the next page is read while slots are
         still free, so that no number of them keeps a fresh job from starting."""
-        window = self.config.hpc.job_service.max_concurrent_jobs + 100
         held = self._holds.waiting_ids() | self.reconciler.backoff.waiting_ids()
         seen: list[str] = []
         after: str | None = None
         while True:
-            page = await self.chain.pending_jobs(self.cluster_id, self.provider, limit=window, after=after)
+            page = await self.chain.pending_jobs(self.cluster_id, self.provider, limit=PAGE_SIZE, after=after)
             seen += [job.job_id for job in page]
+            running, _ = await self.reconciler.visible([job.job_id for job in page if job.job_id not in held])
+            fresh = []
             for job in page:
-                if job.job_id in running:
+                if job.job_id in running or job.job_id in self._recent:
                     continue
                 if job.job_id in held:
                     stats.held.append(job.job_id)
-                elif free <= 0:
-                    stats.waiting += 1
-                elif await self._try_start(job, stats):
-                    free -= 1
-            if len(page) < window or free <= 0:
+                else:
+                    fresh.append(job)
+            free = await self._start_some(fresh, free, stats)
+            if len(page) < PAGE_SIZE or free <= 0:
                 break
             after = page[-1].job_id
         self._holds.keep_only(seen)
-        self._set_gauges(len(set(seen) - running - set(stats.started) - set(stats.recovered)), free)
+        self._set_gauges(stats.waiting + len(stats.held), free)
+
+    async def _start_some(self, jobs: list[ChainJob], free: int, stats: PollStats) -> int:
+        """Start up to ``free`` of ``jobs``, ``start_concurrency`` at a time, while the lease is valid; a job that
+        does not start (refused, held, already running) leaves its slot to the next. The slots left."""
+        queue = list(jobs)
+        while queue and free > 0 and self.lease.valid():
+            batch, queue = queue[:free], queue[free:]
+            results = await self._start_batch(batch, stats)
+            free -= sum(1 for started in results if started)
+            queue = [job for job, started in zip(batch, results, strict=True) if started is None] + queue
+            if None in results:
+                break  # the lease ended during the batch
+        stats.waiting += len(queue)
+        return free
+
+    async def _start_batch(self, batch: list[ChainJob], stats: PollStats) -> list[bool | None]:
+        """``_try_start`` for each job, ``start_concurrency`` at once; ``None`` for a job left unstarted because
+        the lease ended. An error that ends the round is raised once the starts in flight are done."""
+        slots = asyncio.Semaphore(self.start_concurrency)
+
+        async def one(job: ChainJob) -> bool | None:
+            async with slots:
+                if not self.lease.valid():
+                    return None
+                return await self._try_start(job, stats)
+
+        results = await asyncio.gather(*(one(job) for job in batch), return_exceptions=True)
+        for result in results:
+            if isinstance(result, BaseException):
+                raise result
+        return [r for r in results if not isinstance(r, BaseException)]
 
     async def _start(self, chain_job: ChainJob, stats: PollStats) -> bool:
         inp = await self._accept(chain_job, stats)
@@ -211,7 +292,7 @@ class ChainPoller:
                 raise  # not about this job's size: _try_start holds the job or ends the round
             await self._reject(chain_job, f"Temporal refused its workflow input: {exc.message}", stats)
             return False
-        self._recent[job_id] = time.monotonic()
+        self._recent[job_id] = self.clock()
         stats.started.append(job_id)
         log.info(
             "started workflow for job %s",

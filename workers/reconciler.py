@@ -189,7 +189,7 @@ class Reconciler:
         return stats
 
     async def _check_page(self, page: list[ChainJob], stats: ReconcileStats) -> None:
-        running, known = await self._visible([job.job_id for job in page])
+        running, known = await self.visible([job.job_id for job in page])
         for job in page:
             stats.checked += 1
             if job.job_id in running:
@@ -198,7 +198,7 @@ class Reconciler:
                 continue  # no workflow yet: the poller's intake starts it
             await self._confirm(job, stats)
 
-    async def _visible(self, job_ids: list[str]) -> tuple[set[str], set[str]]:
+    async def visible(self, job_ids: list[str]) -> tuple[set[str], set[str]]:
         """Of ``job_ids``: those with a running workflow, and those with any workflow, as visibility sees them.
 
         Visibility lags a few seconds: a workflow that has just closed may still look running (it is found in

@@ -1,0 +1,186 @@
+"""An intake that keeps up and holds its limits (``workers/poller.py``, ``workers/intake_lease.py``).
+
+Real dev server and LocalLedger, the real poller; its workflows start on a task queue no worker polls, so they stay
+open and hold their slot. Running workflows are counted with ``describe`` (strongly consistent), not with the
+visibility store the poller itself reads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import uuid
+from collections.abc import AsyncIterator
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, cast
+
+import pytest
+from temporalio.client import Client, WorkflowExecutionStatus
+from temporalio.service import RPCError
+
+from tests.conftest import make_config
+from tests.memory_adapter import MemoryAdapter
+from tests.pipeline_harness import TENANT, Pipeline, running_pipeline
+from tests.poller_support import idle_queue, start_idle, terminate_all
+from virtengine_hpc.messages import JOB_WORKFLOW_NAME
+from workers.intake_lease import SETTLE_SECONDS, IntakeLease, lease_id
+from workers.poller import ChainPoller
+from workers.wiring import job_settings
+
+
+def pipeline_config(tmp_path: Path, max_concurrent_jobs: int) -> Any:
+    return make_config(
+        tmp_path,
+        hpc={
+            "cluster_id": f"c-{uuid.uuid4().hex[:8]}",
+            "job_service": {"max_concurrent_jobs": max_concurrent_jobs, "job_poll_interval": "1s"},
+        },
+    )
+
+
+@pytest.fixture
+async def pipe(client: Client, tmp_path: Path, key_path: Path, task_queue: str) -> AsyncIterator[Pipeline]:
+    async with running_pipeline(
+        client, pipeline_config(tmp_path, 5), key_path, MemoryAdapter(), task_queue
+    ) as p:
+        yield p
+
+
+def make_poller(pipe: Pipeline, client: Any, queue: str, holder: str, **lease: Any) -> ChainPoller:
+    return ChainPoller(
+        cast(Client, client),
+        pipe.ledger,
+        pipe.config,
+        pipe.deps.audit,
+        task_queue=queue,
+        settings=job_settings(pipe.config),
+        lease=IntakeLease(
+            cast(Client, client),
+            pipe.cluster_id,
+            term=pipe.config.hpc.job_service.intake_lease,
+            holder=holder,
+            **lease,
+        ),
+    )
+
+
+async def running(client: Client, job_ids: list[str]) -> list[str]:
+    """The jobs whose workflow runs now, asked of each workflow itself."""
+    out = []
+    for job_id in job_ids:
+        try:
+            desc = await client.get_workflow_handle(job_id).describe()
+        except RPCError:
+            continue
+        if desc.status == WorkflowExecutionStatus.RUNNING:
+            out.append(job_id)
+    return out
+
+
+async def test_two_pollers_together_never_run_more_than_max_concurrent_jobs(
+    pipe: Pipeline, client: Client
+) -> None:
+    """Both pollers poll at the same moments, each seeing the same free slots in visibility: without a lease both
+    would fill them (10 running for a limit of 5). With it the bound is exact: one poller starts, the other
+    stands by, and the jobs beyond the limit wait on chain."""
+    queue = idle_queue()
+    jobs = [pipe.submit() for _ in range(12)]
+    a = make_poller(pipe, client, queue, holder="poller-a")
+    b = make_poller(pipe, client, queue, holder="poller-b")
+    try:
+        for _ in range(4):
+            rounds = await asyncio.gather(a.take_jobs(), b.take_jobs())
+            assert len(await running(client, jobs)) <= 5
+            assert sorted(r.standby for r in rounds) == [False, True], "one poller holds the intake"
+        assert len(await running(client, jobs)) == 5, "the free slots were filled"
+        waiting = [r.waiting for r in rounds if not r.standby]
+        assert waiting == [7], "the rest wait on chain, none is dropped"
+    finally:
+        await terminate_all(client, jobs)
+
+
+async def test_a_poller_takes_over_the_intake_when_the_holder_stops(pipe: Pipeline, client: Client) -> None:
+    """The holder stops renewing (its process died): the other poller takes the first term it did not take, and
+    waits a moment into it before starting anything, so the holder's last starts have reached visibility."""
+    now = [1_900_000_000.0]
+    term = timedelta(seconds=30)
+    a = IntakeLease(client, pipe.cluster_id, term=term, holder="a", clock=lambda: now[0])
+    b = IntakeLease(client, pipe.cluster_id, term=term, holder="b", clock=lambda: now[0])
+    first = int(now[0] // 30)
+    try:
+        assert await a.refresh() and not await b.refresh()
+        now[0] = (first + 1) * 30 + 1  # a never refreshed again: the next term is free
+        assert not await b.refresh(), "another poller held the term before: b waits the settle time"
+        now[0] = (first + 1) * 30 + SETTLE_SECONDS
+        assert b.valid() and not a.valid()
+    finally:
+        await terminate_all(client, [lease_id(pipe.cluster_id, t) for t in (first, first + 1)])
+
+
+class GatedStarts:
+    """The real client, with every job workflow start held at a gate until the test opens it."""
+
+    def __init__(self, client: Client) -> None:
+        self.client = client
+        self.gate = asyncio.Event()
+        self.waiting = 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.client, name)
+
+    async def start_workflow(self, workflow: Any, *args: Any, **kwargs: Any) -> Any:
+        if workflow == JOB_WORKFLOW_NAME and "start_signal" not in kwargs:
+            self.waiting += 1
+            try:
+                await self.gate.wait()
+            finally:
+                self.waiting -= 1
+        return await self.client.start_workflow(workflow, *args, **kwargs)
+
+
+async def signalled(client: Client, job_id: str, name: str) -> bool:
+    async for event in client.get_workflow_handle(job_id).fetch_history_events():
+        if event.workflow_execution_signaled_event_attributes.signal_name == name:
+            return True
+    return False
+
+
+async def test_a_tenant_cancel_is_forwarded_while_thousands_of_starts_wait(
+    client: Client, tmp_path: Path, key_path: Path, task_queue: str
+) -> None:
+    """2,000 pending jobs, their starts held up (a slow Temporal); meanwhile a tenant cancels a job whose workflow
+    runs. The cancel reaches that workflow while the starts still wait: cancellations have a loop of their own."""
+    config = pipeline_config(tmp_path, 5000)
+    async with running_pipeline(client, config, key_path, MemoryAdapter(), task_queue) as pipe:
+        queue = idle_queue()
+        cancelled = pipe.submit()
+        await start_idle(pipe, cancelled, queue)
+        pipe.ledger.fund(TENANT, 2000)
+        for _ in range(2000):
+            pipe.submit(decide=False, max_price="1")
+        gated = GatedStarts(client)
+        poller = make_poller(pipe, gated, queue, holder="poller")
+        stop = asyncio.Event()
+        task = asyncio.create_task(poller.run(stop))
+        try:
+            for _ in range(300):
+                if gated.waiting >= poller.start_concurrency:
+                    break
+                await asyncio.sleep(0.1)
+            assert gated.waiting == poller.start_concurrency, "the start round is under way, held at the gate"
+            pipe.ledger.request_cancel(cancelled)
+            for _ in range(300):
+                if await signalled(client, cancelled, "cancel"):
+                    break
+                await asyncio.sleep(0.1)
+            else:
+                raise AssertionError("the tenant's cancel never reached the job's workflow")
+            assert not gated.gate.is_set() and gated.waiting == poller.start_concurrency
+            assert await running(client, [cancelled]) == [cancelled]
+        finally:
+            stop.set()
+            task.cancel()  # the held starts are dropped, not let through into 2,000 idle workflows
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            await terminate_all(client, [cancelled, *poller._recent])
