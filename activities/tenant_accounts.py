@@ -120,6 +120,11 @@ class TenantAccounts:
             store = AssignmentStore(path)
         return cls(rules, store)
 
+    @classmethod
+    def shared(cls) -> TenantAccounts:
+        """No isolation (``hpc.tenants.isolation: none``): every job runs as the submit account, never root."""
+        return cls(TenantRules(isolated=False), None)
+
     @property
     def isolated(self) -> bool:
         return self.rules.isolated

@@ -349,7 +349,10 @@ class ChaosRun:
         self.plan = plan
         self.rng = random.Random(plan.seed)
         self.run_id = uuid.uuid4().hex[:6]
-        self.markers = base / "runs"
+        # SLURM jobs run as a tenant's account, which must reach the markers: beside the cluster's job directories
+        # (the base may sit below a directory only root can enter, such as pytest's).
+        root = Path(plan.slurm["jobs_dir"]) if plan.slurm_jobs and plan.slurm else base
+        self.markers = root / f"chaos-runs-{self.run_id}"
         self.markers.mkdir(parents=True, exist_ok=True)
         self.markers.chmod(0o1777)
         self.temporal = TemporalServer(base)
@@ -366,6 +369,7 @@ class ChaosRun:
     # ---- set-up ----
     def config(self) -> Config:
         clusters: list[dict[str, Any]] = []
+        tenants: dict[str, Any] = {}
         if self.plan.local_jobs:
             clusters.append(
                 {
@@ -381,8 +385,9 @@ class ChaosRun:
             )
         if self.plan.slurm_jobs:
             assert self.plan.slurm is not None, "SLURM jobs need the SLURM cluster"
-            from tests.slurm_cluster import slurm_section
+            from tests.slurm_cluster import slurm_section, tenant_accounts
 
+            tenants = {"accounts": {TENANT: tenant_accounts(self.plan.slurm)[0]}}
             clusters.append(
                 {
                     "cluster_id": self.slurm_id,
@@ -405,6 +410,7 @@ class ChaosRun:
                     "usage_reporting": {"report_interval": "5s"},
                     "retry": {"max_retries": 3, "initial_backoff": "500ms", "max_backoff": "5s"},
                     "audit": {"log_path": str(self.base / "audit.log")},
+                    "tenants": tenants,
                 },
                 "provider": {"address": PROVIDER},
                 "temporal": {"address": self.temporal.address, "task_queue": f"chaos-{self.run_id}"},

@@ -57,6 +57,7 @@ from virtengine_hpc.models import JobSpec
 
 REPO = Path(__file__).resolve().parents[1]
 STATE = Path(os.environ.get("VEHPC_DEV_DIR", REPO / ".dev")) / "slurm"
+TENANT = "virtengine1tenant0bench"
 
 
 def load_env() -> dict[str, Any]:
@@ -84,13 +85,19 @@ def make_adapter(env: dict[str, Any], transport: str) -> SlurmAdapter:
             ssh_user=env["ssh_user"],
             ssh_key_path=env["ssh_key_file"],
             known_hosts_path=env["ssh_known_hosts"],
+            tenant_key_dir=env["tenant_key_dir"],
         )
     if transport == "rest":
         slurm.update(auth_method="jwt", rest_url=env["slurmrestd_url"], rest_user=env["rest_user"])
-    config = load_config(data={"hpc": {"scheduler_type": "slurm", "slurm": slurm}}, env={})
+    # The adapter submits as the tenant's own account, as in production (setpriv, its SSH login, or
+    # slurmrestd's user header with SlurmUser's token); the raw loops below submit as the provider's account.
+    tenants = {"accounts": {TENANT: env["tenant_accounts"][0]}}
+    config = load_config(
+        data={"hpc": {"scheduler_type": "slurm", "slurm": slurm, "tenants": tenants}}, env={}
+    )
     from pydantic import SecretStr
 
-    token = Path(env["jwt_token_file"]).read_text().strip()
+    token = Path(env["submit_jwt_token_file"]).read_text().strip()
     adapter = SlurmAdapter.from_config(config, Secrets(slurm_jwt_token=SecretStr(token)), "bench")
     adapter.hold = True
     return adapter
@@ -105,7 +112,7 @@ def request(run: str, n: int, *, alone: bool = False) -> SubmitRequest:
     wf = f"bench-{run}-{n}"
     job = JobSpec(
         job_id=wf,
-        tenant="virtengine1tenant0bench",
+        tenant=TENANT,
         provider="virtengine1provider0bench",
         offering_id="bench",
         script="true\n",

@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # Bring up a one-node SLURM 22.05 cluster on loopback, with all state in one folder:
 #   munged, MariaDB (own datadir) + slurmdbd, slurmctld, slurmd,
-#   slurmrestd (JWT, user slurmrest, 127.0.0.1:6820), sshd (127.0.0.1:2222, user hpcuser, key auth).
+#   slurmrestd (JWT, user slurmrest, 127.0.0.1:6820), sshd (127.0.0.1:2222, user hpcuser, key auth),
+#   and a pool of tenant accounts (vehpc-t1..vehpc-t4: Unix users with a 0700 job directory each, an SSH key
+#   each, Slurm associations), as the provider gives each tenant its own account. hpcuser, the provider's
+#   own submit account, is a Slurm operator (it cancels and reads every tenant's jobs) and runs no tenant job.
 #
 # State folder: ${VEHPC_DEV_DIR:-<repo>/.dev}/slurm. Config stays out of /etc (SLURM_CONF).
 # Idempotent: daemons that already run (per their pid files) are left alone, stale pid files
@@ -28,6 +31,7 @@ ACCOUNT=vehpc
 # `scontrol update nodename=typo state=drain` would drain it instead of failing
 NODE=node1
 JOB_USER=hpcuser
+TENANTS=(vehpc-t1 vehpc-t2 vehpc-t3 vehpc-t4)
 REST_DAEMON_USER=slurmrest
 HOST=127.0.0.1
 CTLD_PORT=6817
@@ -49,6 +53,9 @@ export SLURM_CONF=$ETC/slurm.conf
 MUNGE_SOCKET=$RUN/munge/munge.socket.2
 MYSQL_SOCKET=$RUN/mysql/mysqld.sock
 TOKEN_FILE=$AUTH/$JOB_USER.jwt
+# a token of SlurmUser: slurmrestd accepts X-SLURM-USER-NAME of another account only with it (per-tenant submits)
+SUBMIT_TOKEN_FILE=$AUTH/slurm.jwt
+TENANT_KEYS=$SSH_DIR/tenants
 CLIENT_KEY=$SSH_DIR/client_ed25519
 KNOWN_HOSTS=$SSH_DIR/known_hosts
 
@@ -182,6 +189,17 @@ if [[ $(getent shadow "$JOB_USER" | cut -d: -f2) == !* ]]; then
   usermod -p '*' "$JOB_USER"
 fi
 install -d -m 1777 -o "$JOB_USER" -g "$JOB_USER" "$JOBS"
+# tenant accounts: a login shell (the ssh transport runs sbatch as them), a private home and job directory
+for tenant in "${TENANTS[@]}"; do
+  if ! id -u "$tenant" >/dev/null 2>&1; then
+    useradd -m -s /bin/bash -U "$tenant"
+  fi
+  if [[ $(getent shadow "$tenant" | cut -d: -f2) == !* ]]; then
+    usermod -p '*' "$tenant"
+  fi
+  chmod 0700 "$(getent passwd "$tenant" | cut -d: -f6)"
+  install -d -m 0700 -o "$tenant" -g "$tenant" "$JOBS/$tenant"
+done
 
 secret_file() { # path owner bytes: create a random secret once
   local path=$1 owner=$2 bytes=$3
@@ -204,6 +222,12 @@ MYSQL_PASS=$(<"$ETC/mysql.pass")
 [[ -s $CLIENT_KEY ]] || ssh-keygen -q -t ed25519 -N '' -C "vehpc-dev-client" -f "$CLIENT_KEY"
 chmod 0600 "$SSH_DIR/ssh_host_ed25519_key" "$CLIENT_KEY"
 install -m 0644 "$CLIENT_KEY.pub" "$SSH_DIR/authorized_keys/$JOB_USER"
+install -d -m 0700 "$TENANT_KEYS"
+for tenant in "${TENANTS[@]}"; do
+  [[ -s $TENANT_KEYS/$tenant ]] || ssh-keygen -q -t ed25519 -N '' -C "vehpc-dev-$tenant" -f "$TENANT_KEYS/$tenant"
+  chmod 0600 "$TENANT_KEYS/$tenant"
+  install -m 0644 "$TENANT_KEYS/$tenant.pub" "$SSH_DIR/authorized_keys/$tenant"
+done
 host_pub=$(cut -d' ' -f1,2 "$SSH_DIR/ssh_host_ed25519_key.pub")
 printf '[%s]:%s %s\n[localhost]:%s %s\n' "$HOST" "$SSH_PORT" "$host_pub" "$SSH_PORT" "$host_pub" >"$KNOWN_HOSTS"
 chmod 0644 "$KNOWN_HOSTS"
@@ -346,7 +370,7 @@ ListenAddress $HOST
 HostKey $SSH_DIR/ssh_host_ed25519_key
 PidFile ${PIDFILE[sshd]}
 AuthorizedKeysFile $SSH_DIR/authorized_keys/%u
-AllowUsers $JOB_USER
+AllowUsers $JOB_USER ${TENANTS[*]}
 PermitRootLogin no
 PubkeyAuthentication yes
 PasswordAuthentication no
@@ -362,8 +386,14 @@ SetEnv SLURM_CONF=$SLURM_CONF
 Subsystem sftp internal-sftp
 EOF
 
-if ((${#CONFIG_CHANGED[@]})); then
-  for name in slurmdbd slurmctld slurmd sshd mariadbd; do
+# sshd rereads its configuration on SIGHUP (sessions in progress go on): no restart needed for it
+if [[ " ${CONFIG_CHANGED[*]} " == *" sshd_config "* ]] && pid=$(daemon_pid sshd); then
+  log "sshd_config changed: reloading sshd (pid $pid)"
+  kill -HUP "$pid"
+  CONFIG_CHANGED=("${CONFIG_CHANGED[@]/sshd_config/}")
+fi
+if [[ -n ${CONFIG_CHANGED[*]// /} ]]; then
+  for name in slurmdbd slurmctld slurmd mariadbd; do
     if daemon_pid "$name" >/dev/null; then
       log "WARNING: ${CONFIG_CHANGED[*]} changed while $name runs; run slurm-down.sh then slurm-up.sh to apply"
       break
@@ -437,6 +467,21 @@ if ! grep -qx "$CLUSTER|$ACCOUNT|$JOB_USER" <<<"$assocs"; then
   assocs=$(sacctmgr -n -P show assoc format=cluster,account,user)
   grep -qx "$CLUSTER|$ACCOUNT|$JOB_USER" <<<"$assocs" || die "association $CLUSTER/$ACCOUNT/$JOB_USER missing after sacctmgr add"
 fi
+new_tenants=()
+for tenant in "${TENANTS[@]}"; do
+  grep -qx "$CLUSTER|$ACCOUNT|$tenant" <<<"$assocs" || new_tenants+=("$tenant")
+done
+if ((${#new_tenants[@]})); then
+  log "adding tenant accounts ${new_tenants[*]} to Slurm account $ACCOUNT"
+  sacctmgr -i add user "$(
+    IFS=,
+    echo "${new_tenants[*]}"
+  )" account="$ACCOUNT" cluster="$CLUSTER" >/dev/null
+fi
+# the submit account cancels and reads tenants' jobs: a Slurm operator (not an administrator)
+if [[ $(sacctmgr -n -P show user "$JOB_USER" format=adminlevel) != Operator ]]; then
+  sacctmgr -i modify user "$JOB_USER" set adminlevel=Operator >/dev/null
+fi
 
 # slurmctld
 if pid=$(daemon_pid slurmctld); then
@@ -479,6 +524,10 @@ token_line=$(scontrol token username="$JOB_USER" lifespan="$JWT_LIFESPAN") || di
 (umask 077 && printf '%s\n' "${token_line#SLURM_JWT=}" >"$TOKEN_FILE.tmp" && mv "$TOKEN_FILE.tmp" "$TOKEN_FILE")
 unset token_line
 TOKEN_EXPIRES=$(($(date +%s) + JWT_LIFESPAN))
+token_line=$(scontrol token username=slurm lifespan="$JWT_LIFESPAN") || die "scontrol token username=slurm failed"
+[[ $token_line == SLURM_JWT=* ]] || die "unexpected 'scontrol token' output"
+(umask 077 && printf '%s\n' "${token_line#SLURM_JWT=}" >"$SUBMIT_TOKEN_FILE.tmp" && mv "$SUBMIT_TOKEN_FILE.tmp" "$SUBMIT_TOKEN_FILE")
+unset token_line
 
 # slurmrestd: non-root user, SLURM_JWT=daemon, v0.0.38 + dbv0.0.38
 if pid=$(daemon_pid slurmrestd); then
@@ -540,6 +589,9 @@ export VEHPC_SSH_PORT='$SSH_PORT'
 export VEHPC_SSH_USER='$JOB_USER'
 export VEHPC_SSH_KEY_FILE='$CLIENT_KEY'
 export VEHPC_SSH_KNOWN_HOSTS='$KNOWN_HOSTS'
+export VEHPC_TENANT_ACCOUNTS='${TENANTS[*]}'
+export VEHPC_TENANT_KEY_DIR='$TENANT_KEYS'
+export VEHPC_SLURM_SUBMIT_JWT_FILE='$SUBMIT_TOKEN_FILE'
 # the token itself is read from the file (readable by root only), never written here
 if [ -r '$TOKEN_FILE' ]; then SLURM_JWT_TOKEN=\$(cat '$TOKEN_FILE'); export SLURM_JWT_TOKEN; fi
 EOF
@@ -569,6 +621,15 @@ write_config "$STATE/env.json" root:root 0644 <<EOF
   "ssh_user": $(json_str "$JOB_USER"),
   "ssh_key_file": $(json_str "$CLIENT_KEY"),
   "ssh_known_hosts": $(json_str "$KNOWN_HOSTS"),
+  "tenant_accounts": [$(
+    sep=
+    for tenant in "${TENANTS[@]}"; do
+      printf '%s%s' "$sep" "$(json_str "$tenant")"
+      sep=', '
+    done
+  )],
+  "tenant_key_dir": $(json_str "$TENANT_KEYS"),
+  "submit_jwt_token_file": $(json_str "$SUBMIT_TOKEN_FILE"),
   "log_dir": $(json_str "$LOG")
 }
 EOF

@@ -1,5 +1,10 @@
 """The MOAB test cluster: the simulator (``tests/sim/moab.py``) behind a real sshd and an HTTPS MWS, and helpers
-to build adapters for it the way a worker does (``MoabAdapter.from_config``)."""
+to build adapters for it the way a worker does (``MoabAdapter.from_config``).
+
+Jobs run as tenant accounts, as in production: Alice and Bob are mapped to two system accounts made for the
+simulator (``TENANT_USERS``), each with its own key file in ``tenant_key_dir`` (the simulator's sshd takes one
+client key for every account). Without root (no accounts can be made) the tests run with ``isolation: none``.
+"""
 
 from __future__ import annotations
 
@@ -30,6 +35,8 @@ from virtengine_hpc.states import JobState
 MWS_USER = "mwsadmin"
 MWS_PASSWORD = f"pw-{uuid.uuid4().hex}"
 SIM_USER = "vehpcmoab"
+TENANT_USERS = ("vehpcmt1", "vehpcmt2")
+ALICE, BOB = "virtengine1tenant0alice", "virtengine1tenant0bob"
 
 
 @dataclass
@@ -42,7 +49,23 @@ class MoabCluster:
     mws: mws.MwsState
     user: str
     work_dir: Path
+    tenant_users: tuple[str, ...] = ()
     extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def tenant_key_dir(self) -> Path:
+        return self.home / "tenant-keys"
+
+    def tenants_section(self) -> dict[str, Any]:
+        """``hpc.tenants``: Alice and Bob on the simulator's two tenant accounts (none without root)."""
+        if len(self.tenant_users) < 2:
+            return {"isolation": "none"}
+        return {"accounts": {ALICE: self.tenant_users[0], BOB: self.tenant_users[1]}}
+
+    def output(self, name: str, number: str, account: str | None = None) -> Path:
+        """A job's output file: in its account's directory under the work dir (the work dir without isolation)."""
+        account = account if account is not None else (self.tenant_users[0] if self.tenant_users else "")
+        return (self.work_dir / account if account else self.work_dir) / f"{name}.o{number}"
 
     @property
     def mws_url(self) -> str:
@@ -63,6 +86,7 @@ class MoabCluster:
                 ssh_user=self.user,
                 ssh_key_path=str(self.sshd.client_key),
                 known_hosts_path=str(self.sshd.known_hosts),
+                tenant_key_dir=str(self.tenant_key_dir),
                 bin_dir=str(self.moab.bin_dir),
                 remote_env={"MOABHOMEDIR": str(self.moab.home)},
             )
@@ -79,6 +103,7 @@ class MoabCluster:
                 "cluster_id": f"moab-{uuid.uuid4().hex[:8]}",
                 "retry": {"max_retries": 1, "initial_backoff": "100ms", "max_backoff": "200ms"},
                 "moab": self.moab_section(transport, **overrides),
+                "tenants": self.tenants_section(),
             },
         )
 
@@ -106,12 +131,22 @@ def moab_cluster(walltime_cap: float = 3.0, max_nodes: int = 4) -> Iterator[Moab
     moab.start()
     sshd = SshServer.create(home / "ssh")
     sshd.start()
+    tenants = TENANT_USERS if all(ensure_user(u) for u in TENANT_USERS) else ()
+    keys = home / "tenant-keys"
+    keys.mkdir(mode=0o700)
+    for account in tenants:
+        shutil.copyfile(sshd.client_key, keys / account)
+        (keys / account).chmod(0o600)
+        # What the operator makes for MWS (which cannot create it); over SSH the adapter makes it itself.
+        entry = pwd.getpwnam(account)
+        (work / account).mkdir(mode=0o700)
+        os.chown(work / account, entry.pw_uid, entry.pw_gid)
     ca = make_ca(home / "tls")
     state = mws.MwsState(moab, MWS_USER, MWS_PASSWORD)
     server = HttpsServer(ca, mws.MwsHandler, mws.setup(state))
     server.start()
     try:
-        yield MoabCluster(home, moab, sshd, ca, server, state, user, work)
+        yield MoabCluster(home, moab, sshd, ca, server, state, user, work, tenants)
     finally:
         server.stop()
         sshd.stop()

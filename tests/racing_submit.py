@@ -45,9 +45,9 @@ async def main(
     adapter = sc.adapter(env, transport, hold=True)
     real_submit = adapter.backend.submit
 
-    async def submit_after_barrier(plan: Any) -> str:
+    async def submit_after_barrier(plan: Any, account: str | None = None) -> str:
         await barrier(barrier_dir, f"attempt-{attempt}")
-        return await real_submit(plan)
+        return await real_submit(plan, account)
 
     adapter.backend.submit = submit_after_barrier  # type: ignore[method-assign]
     config = make_config(audit_log.parent, hpc={"audit": {"log_path": str(audit_log)}})

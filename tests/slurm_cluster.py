@@ -8,6 +8,11 @@ Every test job's workflow id starts with ``slurmtest-<run>-`` (so its Slurm name
 where ``<run>`` is drawn once per test process (or set by ``VEHPC_TEST_RUN``), and ends in a random suffix: no test
 ever adopts a job of an earlier run, and ``cancel_test_jobs`` cleans up by name prefix without touching the jobs of
 another test run sharing the cluster (two checkouts tested at once on one machine).
+
+Jobs run as tenant accounts, as in production: ``tenants_section`` maps Alice and Bob to the cluster's first two
+tenant accounts and hands the others out as a pool (assignments in a file of this test process), so the
+provider's own account (root for the local CLI, ``hpcuser`` over SSH and slurmrestd) never runs a test job. A job's
+output is in ``<jobs_dir>/<account>/``.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import asyncio
 import json
 import os
 import subprocess
+import tempfile
 import time
 import uuid
 from collections.abc import Sequence
@@ -37,6 +43,8 @@ STATE = Path(os.environ.get("VEHPC_DEV_DIR", REPO / ".dev")) / "slurm"
 RUN = os.environ.get("VEHPC_TEST_RUN") or uuid.uuid4().hex[:6]
 TEST_PREFIX = f"slurmtest-{RUN}-"
 TRANSPORTS = ("cli", "ssh", "rest")
+ALICE, BOB = "virtengine1tenant0alice", "virtengine1tenant0bob"
+_ASSIGNMENTS = Path(tempfile.mkdtemp(prefix="vehpc-tenants-")) / "tenant-accounts.db"
 
 _cached: dict[str, Any] | None = None
 _checked = False
@@ -80,6 +88,30 @@ def cluster() -> dict[str, Any]:
     return _cached
 
 
+def tenant_accounts(env: dict[str, Any]) -> list[str]:
+    accounts = list(env.get("tenant_accounts") or [])
+    if len(accounts) < 3:
+        pytest.fail(
+            "the local SLURM cluster has no tenant accounts (env.json tenant_accounts); rerun "
+            "temporal-dev/slurm-up.sh, which creates them"
+        )
+    return accounts
+
+
+def tenants_section(env: dict[str, Any]) -> dict[str, Any]:
+    """``hpc.tenants`` for tests: Alice and Bob fixed to the first two accounts, the rest as a pool."""
+    accounts = tenant_accounts(env)
+    return {
+        "accounts": {ALICE: accounts[0], BOB: accounts[1]},
+        "pool": accounts[2:],
+        "assignments_path": str(_ASSIGNMENTS),
+    }
+
+
+def account_of(env: dict[str, Any], tenant: str = ALICE) -> str:
+    return str(tenants_section(env)["accounts"][tenant])
+
+
 def workflow_id(label: str = "") -> str:
     return f"{TEST_PREFIX}{label}{'-' if label else ''}{uuid.uuid4().hex[:10]}"
 
@@ -106,6 +138,7 @@ def slurm_section(env: dict[str, Any], transport: str, **overrides: Any) -> dict
             ssh_user=env["ssh_user"],
             ssh_key_path=env["ssh_key_file"],
             known_hosts_path=env["ssh_known_hosts"],
+            tenant_key_dir=env["tenant_key_dir"],
         )
     if transport == "rest":
         section.update(
@@ -119,17 +152,22 @@ def slurm_section(env: dict[str, Any], transport: str, **overrides: Any) -> dict
 
 
 def secrets(env: dict[str, Any], key_path: Path | None = None) -> Secrets:
-    token = Path(env["jwt_token_file"]).read_text().strip()
+    """The slurmrestd token of SlurmUser: it may submit as each tenant's account."""
+    token = Path(env["submit_jwt_token_file"]).read_text().strip()
     return Secrets(slurm_jwt_token=SecretStr(token), provider_signing_key_path=key_path)
 
 
-def config(env: dict[str, Any], transport: str, **overrides: Any) -> Config:
+def config(
+    env: dict[str, Any], transport: str, *, tenants: dict[str, Any] | None = None, **overrides: Any
+) -> Config:
+    """``tenants`` replaces the tests' ``hpc.tenants`` (Alice and Bob fixed, a pool)."""
     return load_config(
         data={
             "hpc": {
                 "scheduler_type": "slurm",
                 "cluster_id": "slurm-test",
                 "slurm": slurm_section(env, transport, **overrides),
+                "tenants": tenants_section(env) if tenants is None else tenants,
                 "retry": {"max_retries": 2, "initial_backoff": "200ms", "max_backoff": "1s"},
             }
         },
@@ -137,8 +175,17 @@ def config(env: dict[str, Any], transport: str, **overrides: Any) -> Config:
     )
 
 
-def adapter(env: dict[str, Any], transport: str, *, hold: bool = False, **overrides: Any) -> SlurmAdapter:
-    built = SlurmAdapter.from_config(config(env, transport, **overrides), secrets(env), "slurm-test")
+def adapter(
+    env: dict[str, Any],
+    transport: str,
+    *,
+    hold: bool = False,
+    tenants: dict[str, Any] | None = None,
+    **overrides: Any,
+) -> SlurmAdapter:
+    built = SlurmAdapter.from_config(
+        config(env, transport, tenants=tenants, **overrides), secrets(env), "slurm-test"
+    )
     built.hold = hold
     return built
 
@@ -240,14 +287,21 @@ def cancel_test_jobs(env: dict[str, Any], scope: str) -> None:
         slurm_command(env, ["scancel", *ids])
 
 
+def output_path(env: dict[str, Any], wf: str, job_id: str, suffix: str = "out") -> Path | None:
+    """Where a job's output is: in its account's directory (``<jobs_dir>/<account>/``), None if nowhere yet."""
+    name = f"vehpc-{wf}-{job_id}.{suffix}"
+    return next(Path(env["jobs_dir"]).glob(f"*/{name}"), None)
+
+
 def job_output(env: dict[str, Any], wf: str, job_id: str, suffix: str = "out") -> str:
-    path = Path(env["jobs_dir"]) / f"vehpc-{wf}-{job_id}.{suffix}"
     deadline = time.monotonic() + 10
-    while not path.exists() and time.monotonic() < deadline:
+    path = output_path(env, wf, job_id, suffix)
+    while path is None and time.monotonic() < deadline:
         time.sleep(0.2)
-    return path.read_text() if path.exists() else ""
+        path = output_path(env, wf, job_id, suffix)
+    return path.read_text() if path is not None else ""
 
 
 def remove_outputs(env: dict[str, Any], scope: str) -> None:
-    for path in Path(env["jobs_dir"]).glob(f"vehpc-{TEST_PREFIX}{scope}*"):
+    for path in Path(env["jobs_dir"]).glob(f"*/vehpc-{TEST_PREFIX}{scope}*"):
         path.unlink(missing_ok=True)

@@ -38,6 +38,7 @@ from activities.schedulers.slurm.backends import TRANSIENT_PATTERNS, CliBackend,
 from activities.schedulers.slurm.base import Backoff, CommandExecutor, CommandResult
 from activities.schedulers.slurm.states import exit_code_from_pair, exit_code_from_wait_status, map_state
 from activities.schedulers.slurm.transports import RestClient
+from activities.tenant_accounts import TenantAccounts
 from virtengine_hpc.config import SlurmConfig
 from virtengine_hpc.errors import HPCError, SchedulerError
 from virtengine_hpc.models import JobSpec
@@ -423,7 +424,12 @@ def _adapter(runner: ScriptedRunner) -> SlurmAdapter:
         lookback_days=1,
     )
     return SlurmAdapter(
-        backend, cluster_id="fuzz", config=config, backoff=Backoff(max_retries=0), verify_cluster=True
+        backend,
+        cluster_id="fuzz",
+        config=config,
+        backoff=Backoff(max_retries=0),
+        tenants=TenantAccounts.shared(),
+        verify_cluster=True,
     )
 
 
@@ -447,7 +453,12 @@ def _rest_adapter(bodies: list[Any]) -> SlurmAdapter:
     )
     config = SlurmConfig(cluster_name="localcluster", default_partition="debug", work_dir=Path("/tmp"))
     return SlurmAdapter(
-        backend, cluster_id="fuzz", config=config, backoff=Backoff(max_retries=0), verify_cluster=False
+        backend,
+        cluster_id="fuzz",
+        config=config,
+        backoff=Backoff(max_retries=0),
+        tenants=TenantAccounts.shared(),
+        verify_cluster=False,
     )
 
 

@@ -6,6 +6,8 @@ and a restarted worker, one scheduler query per status round, and accounting fro
 from __future__ import annotations
 
 import asyncio
+import os
+import pwd
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from decimal import Decimal
@@ -77,7 +79,7 @@ async def test_completed_job_reports_exit_code_zero_and_final_usage(
     assert metered.metrics.storage_gb_hours == (5 * wall / 3600).quantize(Decimal("0.000001")) > 0
     for live in outcome.live:  # cumulative: no live reading exceeds the final one
         assert (live.reading.cpu_time_seconds or 0) <= (reading.cpu_time_seconds or 0)
-    out = cluster.work_dir / f"vehpc-{wf}.o{outcome.submitted.scheduler_job_id.split('.')[-1]}"
+    out = cluster.output(f"vehpc-{wf}", outcome.submitted.scheduler_job_id.split(".")[-1])
     assert out.read_text().strip() == "done"
     again = await moab.submit(SubmitRequest(workflow_id=wf, job=ms.spec(wf, "true\n"), body="true\n"))
     assert again == SubmitResult(scheduler_job_id=outcome.submitted.scheduler_job_id, adopted=True)
@@ -228,8 +230,8 @@ async def test_lost_submit_answer_and_restarted_worker_leave_one_job(
     job = ms.spec(wf, "sleep 30\n")
     real_submit = moab.backend.submit
 
-    async def submit_then_lose_answer(plan: Any) -> str:
-        await real_submit(plan)
+    async def submit_then_lose_answer(plan: Any, account: str | None = None) -> str:
+        await real_submit(plan, account)
         raise SchedulerUnavailable("connection reset after the job was accepted (simulated)")
 
     moab.backend.submit = submit_then_lose_answer  # type: ignore[method-assign]
@@ -270,8 +272,8 @@ async def test_submitter_killed_after_msub_leaves_exactly_one_job(
         "config = Config.model_validate_json(sys.stdin.read())\n"
         "adapter = MoabAdapter.from_config(config, ms.secrets(), config.hpc.cluster_id)\n"
         "real = adapter.backend.submit\n"
-        "async def submit(plan):\n"
-        "    await real(plan)\n"
+        "async def submit(plan, account=None):\n"
+        "    await real(plan, account)\n"
         "    os.kill(os.getpid(), signal.SIGKILL)\n"
         "adapter.backend.submit = submit\n"
         f"job = ms.spec({wf!r}, 'sleep 30\\n')\n"
@@ -335,7 +337,7 @@ async def test_hostile_strings_stay_literal(moab: MoabAdapter, cluster: ms.MoabC
     outcome = await ms.run_job(moab, wf, ms.spec(wf, body, environment=hostile))
     assert outcome.final.state == JobState.COMPLETED
     number = outcome.submitted.scheduler_job_id.split(".")[-1]
-    lines = (cluster.work_dir / f"vehpc-{wf}.o{number}").read_text().splitlines()
+    lines = cluster.output(f"vehpc-{wf}", number).read_text().splitlines()
     assert lines == [*hostile.values(), f"vehpc-{wf}"], (
         "values literal; the tenant's #MSUB/#PBS lines ignored"
     )
@@ -345,9 +347,8 @@ async def test_hostile_strings_stay_literal(moab: MoabAdapter, cluster: ms.MoabC
     if moab.config.transport == "ssh":
         msubs = [r for r in cluster.moab.argv_log() if r["command"] == "msub" and f"vehpc-{wf}" in r["argv"]]
         argv = msubs[0]["argv"]
-        assert argv[argv.index("-N") + 1] == f"vehpc-{wf}" and argv[argv.index("-d") + 1] == str(
-            cluster.work_dir
-        )
+        assert argv[argv.index("-N") + 1] == f"vehpc-{wf}"
+        assert argv[argv.index("-d") + 1] == str(cluster.output("x", "1").parent)
         assert not any(v in " ".join(argv) for v in hostile.values()), "tenant values never travel in argv"
 
 
@@ -395,3 +396,38 @@ async def test_security_refusals(cluster: ms.MoabCluster, tmp_module: Path) -> N
     with pytest.raises(SecurityError, match="known_hosts"):
         await unknown_host.status_batch(["Moab.1"])
     await unknown_host.close()
+
+
+# ---- one account per tenant ---------------------------------------------------------------------------------------
+
+
+async def test_each_tenant_submits_and_runs_as_its_own_account(
+    moab: MoabAdapter, cluster: ms.MoabCluster
+) -> None:
+    """msub runs logged in as the tenant's account (ssh), or MWS submits with the account in credentials.user;
+    the simulator takes the submitter from the socket's peer credentials, as MOAB does, and runs the job as it.
+    (The simulator does not model MOAB's rights: who may cancel or read whose jobs is the site's MOAB and Unix
+    configuration, not shown here.)"""
+    if len(cluster.tenant_users) < 2:
+        pytest.fail("the tenant accounts of the MOAB simulator could not be made (run the tests as root)")
+    jobs = {ms.ALICE: cluster.tenant_users[0], ms.BOB: cluster.tenant_users[1]}
+    outcomes = await asyncio.gather(
+        *(
+            ms.run_job(moab, wf, ms.spec(wf, "id -un\n", tenant=tenant))
+            for tenant, wf in ((t, ms.workflow_id(f"tenant-{i}")) for i, t in enumerate(jobs))
+        )
+    )
+    for (tenant, account), outcome in zip(jobs.items(), outcomes, strict=True):
+        job = cluster.moab.jobs[outcome.submitted.scheduler_job_id]
+        uid = pwd.getpwnam(account).pw_uid
+        assert job.user == account and job.uid == uid != pwd.getpwnam(cluster.user).pw_uid
+        out = cluster.output(job.name, str(job.number), account)
+        assert out.read_text().strip() == account and os.stat(out).st_uid == uid, (
+            "ran as the tenant's account"
+        )
+        assert os.stat(out.parent).st_mode & 0o777 == 0o700 and os.stat(out.parent).st_uid == uid
+        assert moab.expected_account(tenant) == account
+    if moab.config.transport == "ssh":
+        msubs = {r["uid"] for r in cluster.moab.argv_log() if r["command"] == "msub"}
+        assert {pwd.getpwnam(a).pw_uid for a in jobs.values()} <= msubs
+        assert pwd.getpwnam(cluster.user).pw_uid not in msubs, "the provider's account submits no tenant job"

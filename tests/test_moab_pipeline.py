@@ -39,6 +39,7 @@ async def pipe(
             "cluster_id": f"moab-{uuid.uuid4().hex[:8]}",
             "job_service": {"vanished_job_grace": "3s"},
             "moab": cluster.moab_section("ssh", job_poll_interval="300ms", default_queue="debug"),
+            "tenants": cluster.tenants_section(),
         },
     )
     adapter = MoabAdapter.from_config(config, ms.secrets(), config.hpc.cluster_id)

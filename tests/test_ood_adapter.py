@@ -197,8 +197,8 @@ async def test_exactly_once_across_a_lost_answer_and_a_restarted_worker(
     inner = ood.adapter_for(USERS[1])
     real = inner.backend.submit  # type: ignore[attr-defined]
 
-    async def lose_answer(plan: Any) -> str:
-        await real(plan)
+    async def lose_answer(plan: Any, account: str | None = None) -> str:
+        await real(plan, account)
         raise SchedulerUnavailable("answer lost (simulated)")
 
     inner.backend.submit = lose_answer  # type: ignore[attr-defined]

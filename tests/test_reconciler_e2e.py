@@ -150,6 +150,7 @@ async def slurm_pipe(
             "job_service": {"reconcile_interval": f"{INTERVAL}s", "vanished_job_grace": "60s"},
             "usage_reporting": {"report_interval": "10s"},
             "slurm": sc.slurm_section(env, "cli"),
+            "tenants": sc.tenants_section(env),
         },
     )
     adapter = SlurmAdapter.from_config(config, sc.secrets(env), config.hpc.cluster_id)

@@ -172,6 +172,7 @@ async def pipe(
             "cluster_id": f"moab-{uuid.uuid4().hex[:8]}",
             "retry": {"max_retries": 3, "initial_backoff": "100ms", "max_backoff": "200ms"},
             "moab": moab.moab_section("ssh", known_hosts_path=str(wrong), default_queue="batch"),
+            "tenants": moab.tenants_section(),
         },
     )
     adapter = MoabAdapter.from_config(config, ms.secrets(), config.hpc.cluster_id)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import os
+import pwd
 import subprocess
 import sys
 import time
@@ -207,7 +208,9 @@ async def test_no_secret_reaches_histories_search_attributes_logs_audit_ledger_o
     key_file = tmp_path / "keys" / "provider.key"
     write_private_key(key_file)
     token = (
-        Path(slurm["jwt_token_file"]).read_text().strip() if slurm else f"eyJfake.{suffix}.tokensig{suffix}"
+        Path(slurm["submit_jwt_token_file"]).read_text().strip()
+        if slurm
+        else f"eyJfake.{suffix}.tokensig{suffix}"
     )
     secrets = {
         "SLURM_JWT_TOKEN": token,
@@ -228,9 +231,23 @@ async def test_no_secret_reaches_histories_search_attributes_logs_audit_ledger_o
             {"cluster_id": slurm_id, "scheduler_type": "slurm", "slurm": sc.slurm_section(slurm, "rest")}
         )
         partitions[slurm_id] = slurm["partition"]
+    # One account for the tenant on both clusters: the SLURM cluster's first tenant account when it is up (the
+    # simulator runs MWS jobs as any local account; its directory is what the operator would make), else the
+    # simulator's own.
+    account = sc.account_of(slurm) if slurm else moab.tenant_users[0]
+    moab_dir = moab.work_dir / account
+    if not moab_dir.exists():
+        moab_dir.mkdir(mode=0o700)
+        entry = pwd.getpwnam(account)
+        os.chown(moab_dir, entry.pw_uid, entry.pw_gid)
     config = make_config(
         tmp_path,
-        hpc={"cluster_id": local_id, "clusters": clusters, "usage_reporting": {"report_interval": "2s"}},
+        hpc={
+            "cluster_id": local_id,
+            "clusters": clusters,
+            "usage_reporting": {"report_interval": "2s"},
+            "tenants": {"accounts": {TENANT: account}},
+        },
         temporal={
             "address": temporal_env.client.service_client.config.target_host,
             "task_queue": f"sec-{suffix}",

@@ -400,8 +400,8 @@ class _LosesAnswers:
         self.lost = 0
         adapter.backend.submit = self.submit  # type: ignore[method-assign]
 
-    async def submit(self, plan: SubmitPlan) -> str:
-        job_id = await self.real(plan)
+    async def submit(self, plan: SubmitPlan, account: str | None = None) -> str:
+        job_id = await self.real(plan, account)
         if self.lost == 0:
             self.lost += 1
             raise SchedulerUnavailable(f"connection lost after the scheduler accepted job {job_id}")
@@ -467,8 +467,8 @@ async def test_submitter_killed_after_sbatch_leaves_exactly_one_job(
         "async def main():\n"
         "    a = sc.adapter(sc.cluster(), 'cli')\n"
         "    real = a.backend.submit\n"
-        "    async def submit_then_die(plan):\n"
-        "        job_id = await real(plan)\n"
+        "    async def submit_then_die(plan, account=None):\n"
+        "        job_id = await real(plan, account)\n"
         "        print(job_id, flush=True)\n"
         "        os.kill(os.getpid(), signal.SIGKILL)\n"
         "    a.backend.submit = submit_then_die\n"
@@ -581,7 +581,16 @@ async def test_drain_and_resume_node_with_a_hostile_reason(env: dict[str, Any]) 
 
 
 async def test_drain_over_ssh_as_an_unprivileged_user_is_refused_for_good(env: dict[str, Any]) -> None:
-    adapter = sc.adapter(env, "ssh", max_retries=0)
+    # The provider's own account is a Slurm operator (it cancels tenants' jobs) and may drain; a tenant's may not.
+    tenant = sc.tenant_accounts(env)[-1]
+    adapter = sc.adapter(
+        env,
+        "ssh",
+        tenants={"isolation": "none"},
+        max_retries=0,
+        ssh_user=tenant,
+        ssh_key_path=str(Path(env["tenant_key_dir"]) / tenant),
+    )
     try:
         with pytest.raises(SchedulerError) as caught:
             await adapter.drain_node(env["node"], "not allowed")

@@ -51,8 +51,18 @@ def test_jwt_means_rest_and_needs_the_token_and_a_work_dir() -> None:
 def test_ssh_needs_a_user_and_defaults_to_the_controller_host() -> None:
     with pytest.raises(ConfigError, match="ssh_user"):
         SlurmAdapter.from_config(config(transport="ssh"), Secrets(), "c1")
+    with pytest.raises(ConfigError, match="tenant_key_dir: required for the ssh transport with per-tenant"):
+        SlurmAdapter.from_config(config(transport="ssh", ssh_user="vehpc"), Secrets(), "c1")
     adapter = SlurmAdapter.from_config(
-        config(transport="ssh", ssh_user="vehpc", controller_host="login1", ssh_port=2200), Secrets(), "c1"
+        config(
+            transport="ssh",
+            ssh_user="vehpc",
+            controller_host="login1",
+            ssh_port=2200,
+            tenant_key_dir="/etc/virtengine/tenant-keys",
+        ),
+        Secrets(),
+        "c1",
     )
     assert adapter.backend.description == "ssh vehpc@login1:2200"
     assert adapter.backend.user == "vehpc"

@@ -57,6 +57,7 @@ async def pipe(
             },
             "usage_reporting": {"report_interval": "10s"},
             "slurm": sc.slurm_section(env, "cli"),
+            "tenants": sc.tenants_section(env),
         },
     )
     adapter = SlurmAdapter.from_config(config, sc.secrets(env), config.hpc.cluster_id)

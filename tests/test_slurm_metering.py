@@ -22,6 +22,7 @@ from activities.schedulers.slurm import parsers as p
 from activities.schedulers.slurm.backends import ClusterInfo, SlurmBackend
 from activities.schedulers.slurm.base import Backoff
 from activities.schedulers.slurm.script import SubmitPlan
+from activities.tenant_accounts import TenantAccounts
 from virtengine_hpc.config import SlurmConfig
 from virtengine_hpc.metering import Reading, meter
 from virtengine_hpc.models import Allocation, Resources
@@ -50,7 +51,7 @@ class GoldenBackend(SlurmBackend):
     async def cluster_info(self) -> ClusterInfo:
         return ClusterInfo(cluster_name="localcluster")
 
-    async def submit(self, plan: SubmitPlan) -> str:
+    async def submit(self, plan: SubmitPlan, account: str | None = None) -> str:
         raise AssertionError("not submitted")
 
     async def queue(self, job_ids: Sequence[str]) -> list[p.QueueJob]:
@@ -82,6 +83,7 @@ def adapter(backend: GoldenBackend) -> SlurmAdapter:
         cluster_id="golden",
         config=SlurmConfig(cluster_name="localcluster"),
         backoff=Backoff(max_retries=0),
+        tenants=TenantAccounts.shared(),
         verify_cluster=False,
     )
 

@@ -83,6 +83,7 @@ async def pipe(
             "job_service": {"job_poll_interval": "500ms", "vanished_job_grace": "60s"},
             "usage_reporting": {"report_interval": "3s"},
             "slurm": sc.slurm_section(env, "cli"),
+            "tenants": sc.tenants_section(env),
         },
     )
     adapter = SlurmAdapter.from_config(config, sc.secrets(env), config.hpc.cluster_id)

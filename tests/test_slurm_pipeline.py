@@ -54,6 +54,7 @@ def pipeline_config(tmp_path: Path, env: dict[str, Any], transport: str = "cli")
             "job_service": {"job_poll_interval": "500ms", "vanished_job_grace": "60s"},
             "usage_reporting": {"report_interval": "2s"},
             "slurm": sc.slurm_section(env, transport),
+            "tenants": sc.tenants_section(env),
         },
     )
 

@@ -67,6 +67,7 @@ async def test_reconcile_agrees_with_sacct_for_jobs_of_every_outcome(
             "job_service": {"job_poll_interval": "500ms", "vanished_job_grace": "60s"},
             "usage_reporting": {"report_interval": "2s"},
             "slurm": sc.slurm_section(env, "cli"),
+            "tenants": sc.tenants_section(env),
         },
     )
     adapter = SlurmAdapter.from_config(config, sc.secrets(env), config.hpc.cluster_id)

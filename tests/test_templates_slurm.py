@@ -25,7 +25,7 @@ from temporalio.client import Client
 from activities.schedulers.slurm import SlurmAdapter
 from tests import slurm_cluster as sc
 from tests.conftest import REPO, make_config
-from tests.pipeline_harness import Pipeline, running_pipeline
+from tests.pipeline_harness import TENANT, Pipeline, running_pipeline
 from virtengine_hpc.config import Secrets
 from virtengine_hpc.states import JobState
 
@@ -73,12 +73,13 @@ async def pipe(client: Client, tmp_path: Path, key_path: Path, task_queue: str) 
                 "controller_host": env["controller_host"],
                 "default_partition": env["partition"],
                 "account": env["account"],
-                "work_dir": str(tmp_path),
+                "work_dir": env["jobs_dir"],  # each tenant's job directory is <jobs_dir>/<account>
                 "slurm_conf": env["slurm_conf"],
                 "transport": "cli",
                 "job_poll_interval": "500ms",
                 "accounting_grace": "30s",
             },
+            "tenants": sc.tenants_section(env),
         },
     )
     adapter = SlurmAdapter.from_config(config, Secrets(), config.hpc.cluster_id)
@@ -91,15 +92,21 @@ def submit(p: Pipeline, **spec: Any) -> str:
     return p.submit(job_id=sc.workflow_id("tpl"), **spec)
 
 
+def job_dir(p: Pipeline) -> Path:
+    """Where the tenant's jobs run and write: its account's own directory."""
+    assert p.config.hpc.slurm.work_dir is not None
+    return p.config.hpc.slurm.work_dir / p.config.hpc.tenants.accounts[TENANT]
+
+
 def slurm_output(p: Pipeline, job_id: str, suffix: str = "out") -> str:
     job = p.ledger.job(job_id)
     assert job is not None and job.scheduler_job_id
-    path = p.config.hpc.slurm.work_dir / f"vehpc-{job_id}-{job.scheduler_job_id}.{suffix}"  # type: ignore[operator]
+    path = job_dir(p) / f"vehpc-{job_id}-{job.scheduler_job_id}.{suffix}"
     return path.read_text() if path.exists() else f"({path.name} does not exist)"
 
 
-async def test_templates_run_on_slurm(pipe: Pipeline, tmp_path: Path) -> None:
-    driver = tmp_path / "etl.py"
+async def test_templates_run_on_slurm(pipe: Pipeline) -> None:
+    driver = job_dir(pipe) / f"etl-{uuid.uuid4().hex[:8]}.py"  # where the tenant's job can read it
     driver.write_text(
         "import os\nfrom dask.distributed import Client\n"
         "c = Client(scheduler_file=os.environ['DASK_SCHEDULER_FILE'])\n"
@@ -153,14 +160,14 @@ async def test_templates_run_on_slurm(pipe: Pipeline, tmp_path: Path) -> None:
     assert slurm_output(pipe, jobs["data"]).strip() == "total 55"
 
 
-async def test_interactive_session_on_slurm(pipe: Pipeline, tmp_path: Path) -> None:
+async def test_interactive_session_on_slurm(pipe: Pipeline) -> None:
     job_id = submit(
         pipe,
         template_id="interactive-session",
         template_parameters={"service": "http", "command": f"{PY} -m http.server {{port}} --bind 127.0.0.1"},
     )
     await pipe.wait_started(job_id)
-    path = tmp_path / f"virtengine-session-{job_id}.json"
+    path = job_dir(pipe) / f"virtengine-session-{job_id}.json"
     for _ in range(300):
         await pipe.poller.poll_once()
         if path.exists():

@@ -40,6 +40,7 @@ from typing import Generic, Protocol, TypeVar
 from activities.schedulers.base import SchedulerAdapter, SubmitRequest, SubmitResult
 from virtengine_hpc.config import RetryConfig
 from virtengine_hpc.errors import SchedulerError, SchedulerUnavailable
+from virtengine_hpc.tenancy import TenantAccountError
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -450,3 +451,48 @@ def chunked(items: Iterable[T], size: int) -> Iterator[list[T]]:
             batch = []
     if batch:
         yield batch
+
+
+class AccountExecutors:
+    """The provider's own command executor and, built on first use, one per tenant account.
+
+    ``factory(account)`` makes an executor whose commands run as that account (a local ``AccountRunner``, an SSH
+    login with the account's own key); None: this transport cannot act as another account, and asking it to is a
+    ``TenantAccountError``.
+    """
+
+    def __init__(
+        self,
+        own: CommandExecutor,
+        *,
+        user: str,
+        factory: Callable[[str], CommandExecutor] | None = None,
+    ) -> None:
+        self.own = own
+        self.user = user
+        self._factory = factory
+        self._accounts: dict[str, CommandExecutor] = {}
+
+    def get(self, account: str | None) -> CommandExecutor:
+        if account is None or account == self.user:
+            return self.own
+        executor = self._accounts.get(account)
+        if executor is None:
+            if self._factory is None:
+                raise TenantAccountError(
+                    f"{self.own.runner.description} cannot run commands as another account ({account})"
+                )
+            executor = self._accounts[account] = self._factory(account)
+        return executor
+
+    async def prepare_workdir(self, path: str, account: str, rejected: type[SchedulerError]) -> None:
+        """``mkdir -p -m 0700`` then ``chmod 0700``, both as the account: the second fails unless the account
+        owns the directory, so a directory another account made under that name (squatting) is never used."""
+        executor = self.get(account)
+        for argv in (["mkdir", "-p", "-m", "0700", path], ["chmod", "0700", path]):
+            await executor.run(argv, what=f"{argv[0]} {path} as {account}", rejected=rejected)
+
+    async def close(self) -> None:
+        for executor in self._accounts.values():
+            await executor.runner.close()
+        await self.own.runner.close()

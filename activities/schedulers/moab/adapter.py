@@ -12,6 +12,10 @@ What it promises (``activities/schedulers/base.py``), and how:
   timeout when the job used its whole walltime or Torque reports ``-11``; ``Vacated`` is a failure
   (``states.py``). A batch hold that never clears (``RMReject``, ``NoResources``...) fails the job at once and
   cancels it.
+* **One account per tenant** (``hpc.tenants``; never root, never the provider's own account): ``msub`` over an SSH
+  login as the tenant's account with its own key (``tenant_key_dir``), or MWS with ``credentials.user`` set to it.
+  Output goes to ``<work_dir>/<account>``, made the account's own and 0700 over SSH (MWS: the operator makes it).
+  Lookups by name search the tenants' accounts only.
 * **Usage** from ``checkjob --xml`` (MWS: the job), a raw reading that ``virtengine_hpc.metering`` meters: run
   time = ``AWDuration``, CPU time = ``StatPSUtl`` (processor seconds utilized), peak memory from ``UtilMem``, and
   the allocation (nodes, processors, memory, GPUs). Cumulative and monotone; final once the job ended.
@@ -19,10 +23,12 @@ What it promises (``activities/schedulers/base.py``), and how:
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Iterable, Sequence
 from datetime import UTC, datetime
 from decimal import Decimal
+from pathlib import Path
 
 from activities.schedulers.base import Accounting, NativeStatus, SubmitRequest, register
 from activities.schedulers.batch.base import (
@@ -38,6 +44,7 @@ from activities.schedulers.batch.transports import SSHRunner
 from activities.schedulers.moab import parsers as p
 from activities.schedulers.moab.backends import TRANSIENT_PATTERNS, CliBackend, MoabBackend, MwsBackend
 from activities.schedulers.moab.states import Mapped, map_state
+from activities.tenant_accounts import TenantAccounts
 from virtengine_hpc.config import Config, MoabConfig, Secrets
 from virtengine_hpc.errors import ConfigError, JobNotFound, SchedulerError
 from virtengine_hpc.metering import Allocated, Reading, highest
@@ -80,11 +87,15 @@ class MoabAdapter(BatchSchedulerAdapter):
         cluster_id: str,
         config: MoabConfig,
         backoff: Backoff,
+        tenants: TenantAccounts,
         hold: bool = False,
     ) -> None:
-        """``hold`` submits jobs held (``msub -h``), for tests that need jobs which never start."""
+        """``hold`` submits jobs held (``msub -h``), for tests that need jobs which never start. ``tenants`` says
+        which account runs each tenant's jobs (``TenantAccounts.shared()``: the backend's own)."""
         super().__init__(backoff=backoff)
         self.backend = backend
+        self.tenants = tenants
+        self._workdirs: set[str] = set()
         self.cluster_id = cluster_id
         self.config = config
         self.hold_jobs = hold
@@ -94,22 +105,10 @@ class MoabAdapter(BatchSchedulerAdapter):
     def from_config(cls, config: Config, secrets: Secrets, cluster_id: str) -> MoabAdapter:
         m = config.hpc.moab
         timeout = m.connection_timeout.total_seconds()
+        tenants = TenantAccounts.from_config(config)
         backend: MoabBackend
         if m.transport == "ssh":
-            if not m.ssh_user:
-                raise ConfigError("hpc.moab.ssh_user: required for the ssh transport")
-            runner = SSHRunner(
-                host=m.ssh_host or m.server,
-                port=m.ssh_port,
-                user=m.ssh_user,
-                key_path=m.ssh_key_path,
-                known_hosts=m.known_hosts_path,
-                timeout=timeout,
-                env={**COMMAND_ENV, **m.remote_env},
-            )
-            backend = CliBackend(
-                CommandExecutor(runner, TRANSIENT_PATTERNS, timeout), user=m.ssh_user, bin_dir=m.bin_dir
-            )
+            backend = cls._ssh_backend(m, tenants, timeout)
         else:
             if not m.mws_url:
                 raise ConfigError("hpc.moab.mws_url: required for the rest transport (MOAB Web Services)")
@@ -124,13 +123,56 @@ class MoabAdapter(BatchSchedulerAdapter):
                 job_user=m.mws_job_user,
                 timeout=timeout,
                 ca_cert=m.mws_ca_cert,
+                lookup_users=sorted(tenants.accounts()),
             )
         return cls(
             backend,
             cluster_id=cluster_id,
             config=m,
             backoff=Backoff.from_config(config.hpc.retry, m.max_retries),
+            tenants=tenants,
         )
+
+    @staticmethod
+    def _ssh_backend(m: MoabConfig, tenants: TenantAccounts, timeout: float) -> CliBackend:
+        """Queries and cancels as ``ssh_user``; each tenant's ``msub`` over its own login and key."""
+        if not m.ssh_user:
+            raise ConfigError("hpc.moab.ssh_user: required for the ssh transport")
+        key_dir = m.tenant_key_dir
+        if tenants.isolated and key_dir is None:
+            raise ConfigError(
+                "hpc.moab.tenant_key_dir: required for the ssh transport with per-tenant accounts (one private "
+                "key per tenant account, named after it)"
+            )
+
+        def executor(user: str, key: Path | None) -> CommandExecutor:
+            runner = SSHRunner(
+                host=m.ssh_host or m.server,
+                port=m.ssh_port,
+                user=user,
+                key_path=key,
+                known_hosts=m.known_hosts_path,
+                timeout=timeout,
+                env={**COMMAND_ENV, **m.remote_env},
+            )
+            return CommandExecutor(runner, TRANSIENT_PATTERNS, timeout)
+
+        def as_tenant(account: str) -> CommandExecutor:
+            assert key_dir is not None
+            return executor(account, key_dir / account)
+
+        return CliBackend(
+            executor(m.ssh_user, m.ssh_key_path),
+            user=m.ssh_user,
+            bin_dir=m.bin_dir,
+            executor_as=as_tenant if tenants.isolated else None,
+            lookup_users=sorted(tenants.accounts()),
+        )
+
+    def expected_account(self, tenant: str) -> str | None:
+        if not self.tenants.isolated:
+            return self.backend.user
+        return self.tenants.assigned(tenant)
 
     @property
     def calls(self) -> dict[str, int]:
@@ -139,16 +181,25 @@ class MoabAdapter(BatchSchedulerAdapter):
 
     # ---- submission ----------------------------------------------------------------------------------------
     async def _submit_new(self, request: SubmitRequest) -> str:
+        account = await asyncio.to_thread(
+            self.tenants.account_for, request.job.tenant, submit_account=self.backend.user
+        )
+        work_dir = str(self.config.work_dir) if self.config.work_dir else None
+        if work_dir is not None and self.tenants.isolated:
+            work_dir = f"{work_dir.rstrip('/')}/{account}"  # the tenant's own, 0700: no other tenant reads it
+            if work_dir not in self._workdirs and request.job.working_directory is None:
+                await self.backend.prepare_workdir(work_dir, account)
+                self._workdirs.add(work_dir)
         plan = plan_submission(
             request,
             cluster_id=self.cluster_id,
             default_partition=self.config.default_queue,
             account=self.config.account,
-            work_dir=str(self.config.work_dir) if self.config.work_dir else None,
+            work_dir=work_dir,
             hold=self.hold_jobs,
         )
-        job_id = await self.backend.submit(plan)
-        log.info("workflow %s submitted as MOAB job %s", request.workflow_id, job_id)
+        job_id = await self.backend.submit(plan, account if self.tenants.isolated else None)
+        log.info("workflow %s submitted as MOAB job %s (account %s)", request.workflow_id, job_id, account)
         return job_id
 
     async def _lookup(self, workflow_ids: list[str]) -> dict[str, list[Candidate]]:

@@ -6,10 +6,12 @@ The adapter (``adapter.py``) owns the meaning. ``calls`` counts scheduler querie
 
 * ``CliBackend``: ``msub`` / ``showq --xml`` / ``checkjob --xml`` / ``mjobctl`` through a ``CommandRunner`` (SSH to
   a login node). A status round is one ``showq --xml``; only ids it does not list cost one ``showq -c --xml``
-  (the completed queue, where ended jobs stay for MOAB's ``JOBCPURGETIME``).
+  (the completed queue, where ended jobs stay for MOAB's ``JOBCPURGETIME``). A tenant's ``msub`` runs logged in
+  as the tenant's account with its own key; queries and cancels as the provider's account (a MOAB administrator).
 * ``MwsBackend``: MOAB Web Services, ``/rest/jobs?api-version=3``, HTTP Basic with ``MOAB_USERNAME`` /
   ``MOAB_PASSWORD`` over verified TLS. A status round is one ``GET`` with a ``query`` on the job names; MWS keeps
-  completed jobs in its database, so the same answer covers ended ones.
+  completed jobs in its database, so the same answer covers ended ones. A tenant's job names the tenant's
+  account in ``credentials.user`` (MWS submits as that user).
 """
 
 from __future__ import annotations
@@ -20,14 +22,14 @@ import json
 import re
 import ssl
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import httpx
 from pydantic import SecretStr
 
-from activities.schedulers.batch.base import CommandExecutor, CommandResult
+from activities.schedulers.batch.base import AccountExecutors, CommandExecutor, CommandResult
 from activities.schedulers.batch.plan import SubmitPlan
 from activities.schedulers.batch.transports import tls_context
 from activities.schedulers.moab import parsers as p
@@ -65,12 +67,19 @@ ALREADY_ENDED = re.compile(r"already (completed|removed|cancell?ed|ended)|is not
 class MoabBackend(abc.ABC):
     description: str = ""
     user: str = ""
+    #: Whose jobs a lookup by name searches: the tenants' accounts, or the provider's own with no isolation.
+    lookup_users: tuple[str, ...] = ()
 
     def __init__(self) -> None:
         self.calls: Counter[str] = Counter()
 
     @abc.abstractmethod
-    async def submit(self, plan: SubmitPlan) -> str: ...
+    async def submit(self, plan: SubmitPlan, account: str | None = None) -> str:
+        """Submit as ``account`` (None: the provider's own account); the job id."""
+
+    async def prepare_workdir(self, path: str, account: str) -> None:
+        """Make sure ``path`` is ``account``'s own private directory (where this transport can create it)."""
+        return None
 
     @abc.abstractmethod
     async def by_ids(self, job_ids: Sequence[str]) -> list[p.MoabJob]:
@@ -98,12 +107,23 @@ class MoabBackend(abc.ABC):
 
 
 class CliBackend(MoabBackend):
-    def __init__(self, executor: CommandExecutor, *, user: str, bin_dir: Path | None = None) -> None:
+    def __init__(
+        self,
+        executor: CommandExecutor,
+        *,
+        user: str,
+        bin_dir: Path | None = None,
+        executor_as: Callable[[str], CommandExecutor] | None = None,
+        lookup_users: Sequence[str] = (),
+    ) -> None:
+        """``executor_as(account)``: commands as a tenant's account (an SSH login with its own key)."""
         super().__init__()
         self.ex = executor
         self.user = user
+        self.lookup_users = tuple(lookup_users) or (user,)
         self.bin_dir = bin_dir
         self.description = executor.runner.description
+        self.executors = AccountExecutors(executor, user=user, factory=executor_as)
 
     def _cmd(self, name: str) -> str:
         return str(self.bin_dir / name) if self.bin_dir else name
@@ -116,9 +136,11 @@ class CliBackend(MoabBackend):
         stdin: str | None = None,
         ok: Any = None,
         rejected: type[SchedulerError] = SchedulerError,
+        account: str | None = None,
     ) -> CommandResult:
+        executor = self.executors.get(account)
         self.calls[Path(argv[0]).name + (" -c" if "-c" in argv[1:2] else "")] += 1
-        return await self.ex.run(argv, what=what, stdin=stdin, ok=ok, rejected=rejected)
+        return await executor.run(argv, what=what, stdin=stdin, ok=ok, rejected=rejected)
 
     def _parse(self, parse: Any, result: CommandResult, what: str) -> list[p.MoabJob]:
         try:
@@ -130,9 +152,15 @@ class CliBackend(MoabBackend):
             ) from exc
         return jobs
 
-    async def submit(self, plan: SubmitPlan) -> str:
+    async def submit(self, plan: SubmitPlan, account: str | None = None) -> str:
         argv = msub_argv(plan, command=self._cmd("msub"))
-        result = await self._run(argv, what="msub", stdin=render_script(plan), rejected=SubmissionRejected)
+        result = await self._run(
+            argv,
+            what="msub" if account is None else f"msub as {account}",
+            stdin=render_script(plan),
+            rejected=SubmissionRejected,
+            account=account,
+        )
         try:
             return p.parse_msub(result.stdout)
         except p.ParseError as exc:
@@ -158,7 +186,10 @@ class CliBackend(MoabBackend):
     async def by_names(self, names: Sequence[str]) -> list[p.MoabJob]:
         wanted = set(names)
         live, done = await asyncio.gather(self._showq(False), self._showq(True))
-        return [job for job in [*done, *live] if job.name in wanted and job.user == self.user]
+        return [job for job in [*done, *live] if job.name in wanted and job.user in self.lookup_users]
+
+    async def prepare_workdir(self, path: str, account: str) -> None:
+        await self.executors.prepare_workdir(path, account, SubmissionRejected)
 
     async def job(self, job_id: str) -> p.MoabJob | None:
         result = await self._run(
@@ -189,7 +220,7 @@ class CliBackend(MoabBackend):
         await self._run([self._cmd("mjobctl"), flag, "user", job_id], what=f"mjobctl {flag} {job_id}")
 
     async def close(self) -> None:
-        await self.ex.runner.close()
+        await self.executors.close()
 
 
 # ---- MOAB Web Services -------------------------------------------------------------------------------------------
@@ -208,6 +239,7 @@ class MwsBackend(MoabBackend):
         timeout: float,
         ca_cert: Path | None = None,
         max_connections: int = 8,
+        lookup_users: Sequence[str] = (),
     ) -> None:
         super().__init__()
         if not base_url.lower().startswith("https://"):
@@ -217,6 +249,7 @@ class MwsBackend(MoabBackend):
         self.base_url = base_url.rstrip("/")
         self.user = job_user or username
         self.job_user = job_user
+        self.lookup_users = tuple(lookup_users) or (self.user,)
         self.description = f"MWS {self.base_url} as {username}"
         self._http = httpx.AsyncClient(
             base_url=self.base_url,
@@ -294,12 +327,12 @@ class MwsBackend(MoabBackend):
         except p.ParseError as exc:
             raise SchedulerUnavailable(f"MWS jobs: {exc}") from exc
 
-    async def submit(self, plan: SubmitPlan) -> str:
+    async def submit(self, plan: SubmitPlan, account: str | None = None) -> str:
         body = await self._request(
             "POST jobs",
             "POST",
             "/rest/jobs",
-            body=render_mws_job(plan, user=self.job_user),
+            body=render_mws_job(plan, user=account or self.job_user),
             rejected=SubmissionRejected,
         )
         name = body.get("name") if isinstance(body, dict) else None
@@ -316,7 +349,7 @@ class MwsBackend(MoabBackend):
 
     async def by_names(self, names: Sequence[str]) -> list[p.MoabJob]:
         jobs = await self._query({"customName": {"$in": list(names)}})
-        return [job for job in jobs if job.user == self.user]
+        return [job for job in jobs if job.user in self.lookup_users]
 
     async def job(self, job_id: str) -> p.MoabJob | None:
         body = await self._request("GET job", "GET", f"/rest/jobs/{job_id}", missing_ok=True)

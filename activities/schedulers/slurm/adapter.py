@@ -14,6 +14,12 @@ What it promises (``activities/schedulers/base.py``), and how:
   is ``found=False``, never "completed". A failed query raises ``SchedulerUnavailable``: never a state change.
 * **Pending forever is failure.** A pending reason that means "never starts" (``states.NEVER_START_REASONS``)
   fails the job at once, and the job is cancelled so it cannot start behind the workflow's back.
+* **One account per tenant.** A job runs as its tenant's account (``hpc.tenants``; never root, never the
+  provider's own account): ``sbatch`` through ``setpriv``/``runuser``/``sudo`` (cli), an SSH login as that account
+  with its own key (ssh), ``X-SLURM-USER-NAME`` with a SlurmUser token (rest); pyslurm cannot, and refuses to run
+  with isolation. Its output goes to ``<work_dir>/<account>``, made the account's own and 0700 (cli, ssh; for
+  rest the operator creates it). Lookups by name search the tenants' accounts only; status, usage and cancel
+  run as the provider's account, which must be a Slurm operator (docs/security.md).
 * **Usage** is a raw reading, cumulative and monotone (``virtengine_hpc.metering`` meters it): run time = Slurm's
   elapsed; allocation = ``AllocTRES`` (nodes, CPUs, memory, GPUs); measured, summed over the steps (``sstat`` for
   running steps, ``sacct`` for ended ones): CPU time, peak RSS, disk bytes read and written (``fs/disk``),
@@ -32,6 +38,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from decimal import Decimal
+from pathlib import Path
 
 from activities.schedulers.base import Accounting, NativeStatus, SubmitRequest, register
 from activities.schedulers.slurm import parsers as p
@@ -58,7 +65,14 @@ from activities.schedulers.slurm.script import (
     workflow_of,
 )
 from activities.schedulers.slurm.states import Mapped, map_state
-from activities.schedulers.slurm.transports import LocalRunner, RestClient, SSHRunner, load_pyslurm
+from activities.schedulers.slurm.transports import (
+    AccountRunner,
+    LocalRunner,
+    RestClient,
+    SSHRunner,
+    load_pyslurm,
+)
+from activities.tenant_accounts import TenantAccounts
 from virtengine_hpc.config import Config, Secrets, SlurmConfig
 from virtengine_hpc.errors import ConfigError, JobNotFound, SchedulerError
 from virtengine_hpc.metering import Allocated, Reading, highest
@@ -95,12 +109,16 @@ class SlurmAdapter(BatchSchedulerAdapter):
         cluster_id: str,
         config: SlurmConfig,
         backoff: Backoff,
+        tenants: TenantAccounts,
         hold: bool = False,
         verify_cluster: bool = True,
     ) -> None:
-        """``hold`` submits jobs held (``--hold``), for tests and benchmarks that need jobs which never start."""
+        """``hold`` submits jobs held (``--hold``), for tests and benchmarks that need jobs which never start.
+        ``tenants`` says which account runs each tenant's jobs (``TenantAccounts.shared()``: the backend's own)."""
         super().__init__(backoff=backoff)
         self.backend = backend
+        self.tenants = tenants
+        self._workdirs: set[str] = set()
         self.cluster_id = cluster_id
         self.config = config
         self.hold = hold
@@ -119,34 +137,28 @@ class SlurmAdapter(BatchSchedulerAdapter):
         transport = s.transport or ("rest" if s.auth_method == "jwt" else "cli")
         timeout = s.connection_timeout.total_seconds()
         lookback_days = max(1, int(s.accounting_lookback.total_seconds() // 86400))
+        tenants = TenantAccounts.from_config(config)
+        lookup_users = sorted(tenants.accounts())
         backend: SlurmBackend
         if transport == "cli":
             runner = LocalRunner(slurm_conf=s.slurm_conf, extra_env=s.remote_env)
             user = pwd.getpwuid(os.getuid()).pw_name
+
+            def as_local(account: str) -> CommandExecutor:
+                return CommandExecutor(
+                    AccountRunner(runner, account, s.switch_user), TRANSIENT_PATTERNS, timeout
+                )
+
             backend = CliBackend(
                 CommandExecutor(runner, TRANSIENT_PATTERNS, timeout),
                 cluster=s.cluster_name,
                 user=user,
                 lookback_days=lookback_days,
+                executor_as=as_local if tenants.isolated else None,
+                lookup_users=lookup_users,
             )
         elif transport == "ssh":
-            if not s.ssh_user:
-                raise ConfigError("hpc.slurm.ssh_user: required for the ssh transport")
-            ssh = SSHRunner(
-                host=s.ssh_host or s.controller_host,
-                port=s.ssh_port,
-                user=s.ssh_user,
-                key_path=s.ssh_key_path,
-                known_hosts=s.known_hosts_path,
-                timeout=timeout,
-                extra_env=s.remote_env,
-            )
-            backend = CliBackend(
-                CommandExecutor(ssh, TRANSIENT_PATTERNS, timeout),
-                cluster=s.cluster_name,
-                user=s.ssh_user,
-                lookback_days=lookback_days,
-            )
+            backend = cls._ssh_backend(s, tenants, timeout, lookback_days)
         elif transport == "rest":
             if secrets.slurm_jwt_token is None:
                 raise ConfigError("SLURM_JWT_TOKEN is not set: the rest transport authenticates with a JWT")
@@ -171,8 +183,14 @@ class SlurmAdapter(BatchSchedulerAdapter):
                 cluster=s.cluster_name,
                 user=s.rest_user,
                 lookback_days=lookback_days,
+                lookup_users=lookup_users,
             )
         else:
+            if tenants.isolated:
+                raise ConfigError(
+                    "hpc.slurm.transport pyslurm cannot submit as each tenant's own account (hpc.tenants): use "
+                    "the cli, ssh or rest transport, or hpc.tenants.isolation none for a single trusted tenant"
+                )
             module = load_pyslurm()
             if module is None:
                 raise ConfigError(
@@ -186,7 +204,55 @@ class SlurmAdapter(BatchSchedulerAdapter):
             cluster_id=cluster_id,
             config=s,
             backoff=Backoff.from_config(config.hpc.retry, s.max_retries),
+            tenants=tenants,
         )
+
+    @staticmethod
+    def _ssh_backend(
+        s: SlurmConfig, tenants: TenantAccounts, timeout: float, lookback_days: int
+    ) -> CliBackend:
+        """Queries and cancels as ``ssh_user``; each tenant's ``sbatch`` over its own login and key."""
+        if not s.ssh_user:
+            raise ConfigError("hpc.slurm.ssh_user: required for the ssh transport")
+        key_dir = s.tenant_key_dir
+        if tenants.isolated and key_dir is None:
+            raise ConfigError(
+                "hpc.slurm.tenant_key_dir: required for the ssh transport with per-tenant accounts (one private "
+                "key per tenant account, named after it)"
+            )
+
+        def runner(user: str, key: Path | None) -> SSHRunner:
+            return SSHRunner(
+                host=s.ssh_host or s.controller_host,
+                port=s.ssh_port,
+                user=user,
+                key_path=key,
+                known_hosts=s.known_hosts_path,
+                timeout=timeout,
+                extra_env=s.remote_env,
+            )
+
+        def as_tenant(account: str) -> CommandExecutor:
+            assert key_dir is not None
+            return CommandExecutor(runner(account, key_dir / account), TRANSIENT_PATTERNS, timeout)
+
+        return CliBackend(
+            CommandExecutor(runner(s.ssh_user, s.ssh_key_path), TRANSIENT_PATTERNS, timeout),
+            cluster=s.cluster_name,
+            user=s.ssh_user,
+            lookback_days=lookback_days,
+            executor_as=as_tenant if tenants.isolated else None,
+            lookup_users=sorted(tenants.accounts()),
+        )
+
+    def expected_account(self, tenant: str) -> str | None:
+        if not self.tenants.isolated:
+            return self.backend.user
+        return self.tenants.assigned(tenant)
+
+    async def _account(self, tenant: str) -> str:
+        """The account the tenant's job runs as (``TenantAccountError`` when it has none or a privileged one)."""
+        return await asyncio.to_thread(self.tenants.account_for, tenant, submit_account=self.backend.user)
 
     @property
     def calls(self) -> dict[str, int]:
@@ -222,18 +288,25 @@ class SlurmAdapter(BatchSchedulerAdapter):
 
     # ---- submission ----------------------------------------------------------------------------------------
     async def _submit_new(self, request: SubmitRequest) -> str:
+        account = await self._account(request.job.tenant)
         await self._ready()
+        work_dir = str(self.config.work_dir) if self.config.work_dir else None
+        if work_dir is not None and self.tenants.isolated:
+            work_dir = f"{work_dir.rstrip('/')}/{account}"  # the tenant's own, 0700: no other tenant reads it
+            if work_dir not in self._workdirs and request.job.working_directory is None:
+                await self.backend.prepare_workdir(work_dir, account)
+                self._workdirs.add(work_dir)
         plan = plan_submission(
             request,
             cluster_id=self.cluster_id,
             default_partition=self.config.default_partition,
             account=self.config.account,
             qos=self.config.qos,
-            work_dir=str(self.config.work_dir) if self.config.work_dir else None,
+            work_dir=work_dir,
             hold=self.hold,
         )
-        job_id = await self.backend.submit(plan)
-        log.info("workflow %s submitted as Slurm job %s", request.workflow_id, job_id)
+        job_id = await self.backend.submit(plan, account if self.tenants.isolated else None)
+        log.info("workflow %s submitted as Slurm job %s (account %s)", request.workflow_id, job_id, account)
         return job_id
 
     async def _lookup(self, workflow_ids: list[str]) -> dict[str, list[Candidate]]:

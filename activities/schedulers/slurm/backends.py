@@ -7,8 +7,11 @@ mapping, exactly-once submission, usage arithmetic. ``calls`` counts scheduler q
 benchmark and tests.
 
 * ``CliBackend``: ``sbatch``/``squeue``/``sacct``/``sstat``/``scancel``/``scontrol`` through a ``CommandRunner``
-  (local or SSH); ``munge`` auth.
-* ``RestBackend``: slurmrestd ``/slurm/<v>/...`` and ``/slurmdb/<v>/...``; JWT auth. slurmrestd v0.0.38 has no
+  (local or SSH); ``munge`` auth. ``sbatch`` of a tenant's job runs as the tenant's account (``executor_as``: a
+  local ``AccountRunner`` or an SSH login as that account); queries and cancels run as the provider's account,
+  a Slurm operator.
+* ``RestBackend``: slurmrestd ``/slurm/<v>/...`` and ``/slurmdb/<v>/...``; JWT auth; a tenant's job is submitted
+  with ``X-SLURM-USER-NAME`` set to the tenant's account (a token of SlurmUser may do that). slurmrestd v0.0.38 has no
   sstat (live usage is wall clock and allocation; CPU arrives with the final accounting), no node update (drain
   needs the CLI or SSH transport) and no job-id filter on ``/slurmdb/<v>/jobs`` (vanished jobs are looked up one by
   one — they are rare: only jobs the controller forgot).
@@ -21,13 +24,14 @@ import abc
 import asyncio
 import re
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from decimal import Decimal
 from types import ModuleType
 from typing import Any
 
+from activities.schedulers.batch.base import AccountExecutors
 from activities.schedulers.slurm import parsers as p
 from activities.schedulers.slurm.base import CommandExecutor, CommandResult
 from activities.schedulers.slurm.script import SubmitPlan, render_batch_script, render_rest_job
@@ -39,6 +43,7 @@ from virtengine_hpc.errors import (
     SecurityError,
     SubmissionRejected,
 )
+from virtengine_hpc.tenancy import TenantAccountError
 
 #: Error output that means "try again later": the controller or slurmdbd is down, slow or restarting.
 TRANSIENT_PATTERNS = tuple(
@@ -88,6 +93,8 @@ class AccountingDisabled(SchedulerError):
 class SlurmBackend(abc.ABC):
     description: str = ""
     user: str = ""
+    #: Whose jobs a lookup by name searches: the tenants' accounts, or the provider's own with no isolation.
+    lookup_users: tuple[str, ...] = ()
 
     def __init__(self) -> None:
         self.calls: Counter[str] = Counter()
@@ -96,7 +103,12 @@ class SlurmBackend(abc.ABC):
     async def cluster_info(self) -> ClusterInfo: ...
 
     @abc.abstractmethod
-    async def submit(self, plan: SubmitPlan) -> str: ...
+    async def submit(self, plan: SubmitPlan, account: str | None = None) -> str:
+        """Submit as ``account`` (None: the provider's own account); the job id."""
+
+    async def prepare_workdir(self, path: str, account: str) -> None:
+        """Make sure ``path`` is ``account``'s own private directory (where this transport can create it)."""
+        return None
 
     @abc.abstractmethod
     async def queue(self, job_ids: Sequence[str]) -> list[p.QueueJob]:
@@ -143,13 +155,25 @@ def check_node(node: str) -> str:
 
 
 class CliBackend(SlurmBackend):
-    def __init__(self, executor: CommandExecutor, *, cluster: str, user: str, lookback_days: int) -> None:
+    def __init__(
+        self,
+        executor: CommandExecutor,
+        *,
+        cluster: str,
+        user: str,
+        lookback_days: int,
+        executor_as: Callable[[str], CommandExecutor] | None = None,
+        lookup_users: Sequence[str] = (),
+    ) -> None:
+        """``executor_as(account)`` runs commands as a tenant's account (None: this backend cannot)."""
         super().__init__()
         self.ex = executor
         self.cluster = cluster
         self.user = user
+        self.lookup_users = tuple(lookup_users) or (user,)
         self.lookback = f"now-{lookback_days}days"
         self.description = executor.runner.description
+        self.executors = AccountExecutors(executor, user=user, factory=executor_as)
 
     async def _run(
         self,
@@ -159,9 +183,11 @@ class CliBackend(SlurmBackend):
         stdin: str | None = None,
         ok: Any = None,
         rejected: type[SchedulerError] = SchedulerError,
+        account: str | None = None,
     ) -> CommandResult:
+        executor = self.executors.get(account)
         self.calls[argv[0]] += 1
-        return await self.ex.run(argv, what=what, stdin=stdin, ok=ok, rejected=rejected)
+        return await executor.run(argv, what=what, stdin=stdin, ok=ok, rejected=rejected)
 
     async def cluster_info(self) -> ClusterInfo:
         result = await self._run(["scontrol", "show", "config"], what="scontrol show config")
@@ -180,12 +206,13 @@ class CliBackend(SlurmBackend):
             min_job_age_seconds=p.parse_int(age),
         )
 
-    async def submit(self, plan: SubmitPlan) -> str:
+    async def submit(self, plan: SubmitPlan, account: str | None = None) -> str:
         result = await self._run(
             ["sbatch", "--parsable"],
-            what="sbatch",
+            what="sbatch" if account is None else f"sbatch as {account}",
             stdin=render_batch_script(plan),
             rejected=SubmissionRejected,
+            account=account,
         )
         try:
             return p.parse_job_id(result.stdout)
@@ -204,9 +231,13 @@ class CliBackend(SlurmBackend):
         )
         return p.parse_squeue(result.stdout) if result.exit_code == 0 else []
 
+    async def prepare_workdir(self, path: str, account: str) -> None:
+        await self.executors.prepare_workdir(path, account, SubmissionRejected)
+
     async def queue_by_names(self, names: Sequence[str]) -> list[p.QueueJob]:
+        users = ",".join(self.lookup_users)
         result = await self._run(
-            ["squeue", "-h", "-t", "all", "-u", self.user, "-n", ",".join(names), "-O", p.SQUEUE_FORMAT],
+            ["squeue", "-h", "-t", "all", "-u", users, "-n", ",".join(names), "-O", p.SQUEUE_FORMAT],
             what="squeue",
         )
         return p.parse_squeue(result.stdout)
@@ -235,7 +266,8 @@ class CliBackend(SlurmBackend):
         return await self._accounting(self._sacct("-j", ",".join(job_ids), steps=steps))
 
     async def accounting_by_names(self, names: Sequence[str]) -> list[p.AcctJob]:
-        return await self._accounting(self._sacct("-u", self.user, "--name", ",".join(names), steps=False))
+        users = ",".join(self.lookup_users)
+        return await self._accounting(self._sacct("-u", users, "--name", ",".join(names), steps=False))
 
     async def live_steps(self, job_id: str) -> list[p.LiveStep] | None:
         result = await self._run(
@@ -287,7 +319,7 @@ class CliBackend(SlurmBackend):
         return any(line.strip() for line in result.stdout.splitlines())
 
     async def close(self) -> None:
-        await self.ex.runner.close()
+        await self.executors.close()
 
 
 # ---- slurmrestd ----------------------------------------------------------------------------------------------
@@ -309,6 +341,7 @@ class RestBackend(SlurmBackend):
         user: str,
         lookback_days: int,
         max_parallel: int = 16,
+        lookup_users: Sequence[str] = (),
     ) -> None:
         super().__init__()
         self.http = client
@@ -316,6 +349,7 @@ class RestBackend(SlurmBackend):
         self.slurmdb = f"/slurmdb/{api_version}"
         self.cluster = cluster
         self.user = user
+        self.lookup_users = tuple(lookup_users) or (user,)
         self.lookback = f"now-{lookback_days}days"
         self.description = client.description
         self._parallel = asyncio.Semaphore(max_parallel)
@@ -362,17 +396,33 @@ class RestBackend(SlurmBackend):
         names = [c.get("name") for c in body.get("clusters") or [] if isinstance(c, dict)]
         return ClusterInfo(cluster_name=self.cluster if self.cluster in names else ",".join(map(str, names)))
 
-    async def submit(self, plan: SubmitPlan) -> str:
+    async def submit(self, plan: SubmitPlan, account: str | None = None) -> str:
         self.calls["job/submit"] += 1
+        as_other = account if account is not None and account != self.user else None
         async with self._parallel:
             _status, body = await self.http.request(
-                "POST", f"{self.slurm}/job/submit", json=render_rest_job(plan)
+                "POST", f"{self.slurm}/job/submit", json=render_rest_job(plan), user=as_other
             )
         errors = [e for e in p.rest_errors(body) if p.rest_error_code(e) != _HELD]
         job_id = body.get("job_id")
         if isinstance(job_id, int) and job_id > 0:
             return str(job_id)
+        if as_other is not None and await self._cannot_act_as(as_other):
+            raise SecurityError(
+                f"slurmrestd refused to act as the tenant's account {as_other}: with per-tenant accounts "
+                "SLURM_JWT_TOKEN must be a token of SlurmUser (scontrol token username=<SlurmUser>), see "
+                "docs/security.md"
+            )
         raise await self._fail(errors, "slurmrestd job/submit", SubmissionRejected)
+
+    async def _cannot_act_as(self, account: str) -> bool:
+        """slurmrestd 22.05 answers a token that may not act as another user with "Zero Bytes were transmitted"
+        (like a controller that went away): a ping as that account fails then while the provider's own works."""
+        self.calls["ping"] += 2
+        async with self._parallel:
+            _s, as_account = await self.http.request("GET", f"{self.slurm}/ping", user=account)
+            _s, as_self = await self.http.request("GET", f"{self.slurm}/ping")
+        return bool(p.rest_errors(as_account)) and not p.rest_errors(as_self)
 
     async def _all_jobs(self) -> list[p.QueueJob]:
         body = await self._get("jobs", f"{self.slurm}/jobs")
@@ -387,7 +437,8 @@ class RestBackend(SlurmBackend):
 
     async def queue_by_names(self, names: Sequence[str]) -> list[p.QueueJob]:
         wanted = set(names)
-        return [job for job in await self._all_jobs() if job.name in wanted and job.user == self.user]
+        users = set(self.lookup_users)
+        return [job for job in await self._all_jobs() if job.name in wanted and job.user in users]
 
     async def _db_job(self, job_id: str) -> list[p.AcctJob]:
         body = await self._get("slurmdb/job", f"{self.slurmdb}/job/{job_id}")
@@ -411,7 +462,8 @@ class RestBackend(SlurmBackend):
         errors = [e for e in p.rest_errors(body) if p.rest_error_code(e) != _NOTHING_FOUND]
         if errors and not body.get("jobs"):
             raise await self._fail(errors, "slurmdbd jobs", SchedulerError)
-        return [job for job in p.parse_rest_db_jobs(body) if job.name == name and job.user == self.user]
+        users = set(self.lookup_users)
+        return [job for job in p.parse_rest_db_jobs(body) if job.name == name and job.user in users]
 
     async def accounting_by_names(self, names: Sequence[str]) -> list[p.AcctJob]:
         found = await asyncio.gather(*(self._db_by_name(name) for name in names))
@@ -460,6 +512,7 @@ class PyslurmBackend(SlurmBackend):
         self.pyslurm = pyslurm
         self.cluster = cluster
         self.user = user
+        self.lookup_users = (user,)
         self.description = f"pyslurm {getattr(pyslurm, '__version__', '?')}"
 
     async def _call(self, kind: str, fn: Any, *args: Any) -> Any:
@@ -475,7 +528,12 @@ class PyslurmBackend(SlurmBackend):
     async def cluster_info(self) -> ClusterInfo:
         return ClusterInfo(cluster_name=self.cluster)
 
-    async def submit(self, plan: SubmitPlan) -> str:
+    async def submit(self, plan: SubmitPlan, account: str | None = None) -> str:
+        if account is not None and account != self.user:
+            raise TenantAccountError(
+                f"pyslurm cannot submit as another account ({account}): use the cli, ssh or rest transport"
+            )
+
         def run() -> int:
             desc = self.pyslurm.JobSubmitDescription(
                 name=plan.job_name,
@@ -536,7 +594,7 @@ class PyslurmBackend(SlurmBackend):
 
     async def queue_by_names(self, names: Sequence[str]) -> list[p.QueueJob]:
         wanted = set(names)
-        return [job for job in await self._all() if job.name in wanted and job.user == self.user]
+        return [job for job in await self._all() if job.name in wanted and job.user in self.lookup_users]
 
     def _acct_job(self, job: Any) -> p.AcctJob:
         stats = getattr(job, "stats", None)
@@ -571,7 +629,7 @@ class PyslurmBackend(SlurmBackend):
     async def accounting_by_names(self, names: Sequence[str]) -> list[p.AcctJob]:
         db = self.pyslurm.db
         jobs = await self._call(
-            "db.jobs", lambda: db.Jobs.load(db.JobFilter(names=list(names), users=[self.user]))
+            "db.jobs", lambda: db.Jobs.load(db.JobFilter(names=list(names), users=list(self.lookup_users)))
         )
         return [self._acct_job(job) for job in jobs.values()]
 

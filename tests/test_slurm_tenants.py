@@ -1,0 +1,208 @@
+"""One account per tenant, on the real SLURM cluster, for each transport (local CLI, CLI over SSH, slurmrestd).
+
+Two tenants' jobs run as two accounts (Slurm's own accounting says so); from inside a real job, tenant A cannot read
+B's output, cannot cancel B's job, and a job A's script submits with ``sbatch`` belongs to A's account, not to the
+provider's submit account. Jobs for a tenant without an account, or for root, are refused with the documented
+error and nothing reaches Slurm; through the whole pipeline the refusal is on chain and in the audit log while the
+other tenant's job runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from temporalio.client import Client
+
+from activities.schedulers.base import SubmitRequest
+from activities.schedulers.slurm import SlurmAdapter
+from tests import slurm_cluster as sc
+from tests.conftest import make_config
+from tests.pipeline_harness import Pipeline, running_pipeline
+from virtengine_hpc.config import load_config
+from virtengine_hpc.errors import ConfigError
+from virtengine_hpc.states import JobState
+from virtengine_hpc.tenancy import TenantAccountError
+
+pytestmark = pytest.mark.slurm
+SCOPE = "tenants-"
+MALLORY = "virtengine1tenant0mallory"
+
+
+@pytest.fixture(scope="module")
+def env() -> dict[str, Any]:
+    return sc.cluster()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _cleanup(env: dict[str, Any]) -> Any:
+    yield
+    sc.cancel_test_jobs(env, SCOPE)
+    sc.remove_outputs(env, SCOPE)
+
+
+def wid(label: str) -> str:
+    return sc.workflow_id(SCOPE + label)
+
+
+def owner(env: dict[str, Any], job_id: str) -> str:
+    """The job's user as the controller records it (any state it still holds)."""
+    return sc.slurm_command(env, ["squeue", "-h", "-t", "all", "-j", job_id, "-o", "%u"]).strip()
+
+
+async def accounting_user(env: dict[str, Any], job_id: str) -> str:
+    """``sacct -o User`` of the job, once accounting has heard of it (4-5 s after submission)."""
+    for _ in range(60):
+        line = sc.slurm_command(env, ["sacct", "-X", "-P", "-n", "-j", job_id, "-o", "User"]).strip()
+        if line:
+            return line
+        await asyncio.sleep(1)
+    raise AssertionError(f"job {job_id} never reached accounting")
+
+
+@pytest.mark.parametrize("transport", sc.TRANSPORTS)
+async def test_two_tenants_run_as_two_accounts_that_cannot_touch_each_other(
+    env: dict[str, Any], transport: str
+) -> None:
+    adapter = sc.adapter(env, transport)
+    alice, bob = sc.account_of(env, sc.ALICE), sc.account_of(env, sc.BOB)
+    provider = adapter.backend.user
+    try:
+        wf_b = wid(f"bob-{transport}")
+        bob_job = sc.spec(wf_b, "echo bob-secret\nsleep 120\n", tenant=sc.BOB)
+        b = await adapter.submit(SubmitRequest(workflow_id=wf_b, job=bob_job, body=bob_job.script or ""))
+        b_id = b.scheduler_job_id
+        await sc.wait_for(adapter, b_id, lambda s: s.state == JobState.RUNNING)
+        b_out = sc.output_path(env, wf_b, b_id)
+        for _ in range(50):
+            b_out = sc.output_path(env, wf_b, b_id)
+            if b_out is not None and b_out.read_text().strip():
+                break
+            await asyncio.sleep(0.2)
+        assert b_out is not None and b_out.parent.name == bob and b_out.read_text().strip() == "bob-secret"
+        assert b_out.parent.stat().st_mode & 0o777 == 0o700
+
+        wf_a = wid(f"alice-{transport}")
+        child = f"vehpc-{wf_a}-child"
+        script = (
+            f"cat {b_out} && echo READ-BOBS-OUTPUT || echo cat-refused\n"
+            f"scancel {b_id} && echo CANCELLED-BOBS-JOB || echo scancel-refused\n"
+            f"echo child=$(sbatch --parsable --hold -J {child} -o /dev/null --wrap true)\n"
+        )
+        alice_job = sc.spec(wf_a, script, tenant=sc.ALICE)
+        a = await adapter.submit(SubmitRequest(workflow_id=wf_a, job=alice_job, body=script))
+        a_id = a.scheduler_job_id
+        final = await sc.wait_final(adapter, a_id)
+        assert final.state == JobState.COMPLETED, final
+        out = sc.job_output(env, wf_a, a_id) + sc.job_output(env, wf_a, a_id, "err")
+
+        assert "Permission denied" in out and "cat-refused" in out and "bob-secret" not in out, out
+        assert "scancel-refused" in out and "CANCELLED-BOBS-JOB" not in out, out
+        assert (await adapter.status_batch([b_id]))[b_id].state == JobState.RUNNING, "Bob's job goes on"
+        child_id = next(line.split("=", 1)[1] for line in out.splitlines() if line.startswith("child="))
+        assert child_id.isdigit(), out
+        assert owner(env, child_id) == alice != provider, (
+            "a job's own sbatch is its tenant's, billed to no one else"
+        )
+
+        assert await accounting_user(env, a_id) == alice
+        assert await accounting_user(env, b_id) == bob
+        assert provider not in (alice, bob) and "root" not in (alice, bob)
+
+        # The provider's account (a Slurm operator) still follows and cancels every tenant's job.
+        await adapter.cancel(b_id)
+        assert (await sc.wait_final(adapter, b_id)).state == JobState.CANCELLED
+        assert await adapter.find(wf_b) == b_id, "lookups by name search the tenants' accounts"
+        assert adapter.expected_account(sc.BOB) == bob
+        sc.slurm_command(env, ["scancel", child_id])
+    finally:
+        await adapter.close()
+
+
+@pytest.mark.parametrize("transport", sc.TRANSPORTS)
+async def test_a_tenant_without_an_account_is_refused_and_nothing_is_submitted(
+    env: dict[str, Any], transport: str
+) -> None:
+    only_alice = {"accounts": {sc.ALICE: sc.account_of(env, sc.ALICE)}}
+    adapter = sc.adapter(env, transport, tenants=only_alice)
+    wf = wid(f"nobody-{transport}")
+    try:
+        job = sc.spec(wf, "true\n", tenant=MALLORY)
+        with pytest.raises(TenantAccountError, match="has no cluster account") as caught:
+            await adapter.submit(SubmitRequest(workflow_id=wf, job=job, body="true\n", first_attempt=True))
+        assert caught.value.code == "tenant_account_missing" and not caught.value.transient
+        assert sc.controller_jobs_named(env, f"vehpc-{wf}") == []
+    finally:
+        await adapter.close()
+
+
+async def test_root_is_refused_as_a_tenant_account_everywhere(env: dict[str, Any]) -> None:
+    # In the configuration: root by name, or the provider's own submit account.
+    for tenants in ({"accounts": {MALLORY: "root"}}, {"pool": ["root"]}):
+        with pytest.raises(ConfigError, match="root can never be a tenant's account"):
+            load_config(data={"hpc": {"tenants": tenants}}, env={})
+    for transport, key in (("ssh", "ssh_user"), ("rest", "rest_user")):
+        section = sc.slurm_section(env, transport)
+        with pytest.raises(ConfigError, match=f"hpc.slurm.{key} {section[key]} is also a tenant account"):
+            load_config(
+                data={"hpc": {"slurm": section, "tenants": {"accounts": {MALLORY: section[key]}}}}, env={}
+            )
+    # At submit: without isolation every job would run as the worker's own account, root here: refused.
+    shared = sc.adapter(env, "cli", tenants={"isolation": "none"})
+    wf = wid("as-root")
+    try:
+        with pytest.raises(TenantAccountError, match=r"as root \(uid 0\)") as caught:
+            await shared.submit(
+                SubmitRequest(workflow_id=wf, job=sc.spec(wf, "id\n"), body="id\n", first_attempt=True)
+            )
+        assert caught.value.code == "tenant_account_refused"
+        assert sc.controller_jobs_named(env, f"vehpc-{wf}") == []
+    finally:
+        await shared.close()
+
+
+def test_pyslurm_cannot_impersonate_and_refuses_to_run_with_isolation(env: dict[str, Any]) -> None:
+    with pytest.raises(ConfigError, match="pyslurm cannot submit as each tenant's own account"):
+        SlurmAdapter.from_config(sc.config(env, "pyslurm"), sc.secrets(env), "slurm-test")
+
+
+@pytest.fixture
+async def pipe(
+    client: Client, tmp_path: Path, key_path: Path, task_queue: str, env: dict[str, Any]
+) -> AsyncIterator[Pipeline]:
+    config = make_config(
+        tmp_path,
+        hpc={
+            "scheduler_type": "slurm",
+            "cluster_id": f"slurm-{uuid.uuid4().hex[:8]}",
+            "job_service": {"job_poll_interval": "500ms", "vanished_job_grace": "60s"},
+            "usage_reporting": {"report_interval": "2s"},
+            "slurm": sc.slurm_section(env, "cli"),
+            # Alice has an account; nobody else does (no pool).
+            "tenants": {"accounts": {sc.ALICE: sc.account_of(env, sc.ALICE)}},
+        },
+    )
+    adapter = SlurmAdapter.from_config(config, sc.secrets(env), config.hpc.cluster_id)
+    async with running_pipeline(client, config, key_path, adapter, task_queue) as p:
+        yield p
+
+
+async def test_the_refusal_is_on_chain_and_audited_and_nothing_else_stops(pipe: Pipeline) -> None:
+    pipe.ledger.fund(MALLORY, 1000)
+    refused = pipe.submit(job_id=wid("chain-mallory"), tenant=MALLORY, resources={"memory_mb_per_node": 256})
+    runs = pipe.submit(job_id=wid("chain-alice"), resources={"memory_mb_per_node": 256})
+    results = await pipe.run_until_done([refused, runs], timeout=180)
+
+    assert results[runs].state == JobState.COMPLETED, results[runs]
+    assert results[refused].state == JobState.FAILED
+    job = pipe.ledger.job(refused)
+    assert job is not None and f"tenant {MALLORY} has no cluster account" in job.status_message
+    settlement = pipe.ledger.settlement(refused)
+    assert settlement is not None and settlement.charged == 0, "the escrow goes back in full"
+    events = pipe.audit_events("job_submission_failed", refused)
+    assert events and events[-1]["details"]["code"] == "tenant_account_missing"
+    assert MALLORY in events[-1]["error_msg"]
