@@ -520,7 +520,9 @@ class JobActivities:
         if stored is None:
             return None
         cumulative = _add(report.previous_cumulative, stored)
-        return UsageOutput(record_id=rid, cumulative=cumulative, period_end=stored.period_end)
+        return UsageOutput(
+            record_id=rid, sequence=report.sequence, cumulative=cumulative, period_end=stored.period_end
+        )
 
     async def _periodic_report(
         self, request: WatchInput, status: NativeStatus, attempt: Attempt
@@ -630,7 +632,9 @@ class JobActivities:
                 rid = record_id(request.cluster_id, request.job_id, request.sequence)
                 record = await self._send_record(request, rid, attempt)
             cumulative = _add(request.previous_cumulative, record)
-            output = UsageOutput(record_id=rid, cumulative=cumulative, period_end=record.period_end)
+            output = UsageOutput(
+                record_id=rid, sequence=request.sequence, cumulative=cumulative, period_end=record.period_end
+            )
             if request.is_final and request.report_accounting:
                 settlement = await heartbeating(
                     self.chain.report_accounting(

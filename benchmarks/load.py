@@ -60,7 +60,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks import pipeline
 from tests.conftest import binary, make_config
 from tests.pipeline_harness import OFFERING, TENANT, setup_ledger
-from virtengine_hpc.config import Config
+from virtengine_hpc.config import Config, JobServiceConfig
 from virtengine_hpc.signing import Signer, write_private_key
 from workflows.hpc_job import SEARCH_ATTRIBUTES
 
@@ -194,6 +194,7 @@ def worker_config(base: Path, address: str, args: argparse.Namespace, metrics: s
                 "max_concurrent_jobs": room,
                 "job_poll_interval": "1s",
                 "vanished_job_grace": "60s",
+                "activity_heartbeat_timeout": f"{args.heartbeat_timeout}s",
             },
             "usage_reporting": {"report_interval": f"{args.report_interval}s"},
             "local": {"max_parallel_jobs": room, "job_poll_interval": f"{args.poll_interval}s"},
@@ -384,7 +385,12 @@ def summarize(
     all_running = run.first(lambda s: s.states["running"] >= n)
     peak = max(run.samples, key=lambda s: s.worker_rss)
     last = run.samples[-1]
-    out: dict[str, object] = {"jobs": n, "sleep": args.sleep, "report_interval": args.report_interval}
+    out: dict[str, object] = {
+        "jobs": n,
+        "sleep": args.sleep,
+        "report_interval": args.report_interval,
+        "heartbeat_timeout": args.heartbeat_timeout,
+    }
     if all_running is not None:
         out["to_all_running_s"] = round(all_running.at, 1)
         out["start_rate"] = round(n / all_running.at, 1)
@@ -421,7 +427,7 @@ def report(result: dict[str, object]) -> None:
     print()
     print(
         f"jobs running at once                 {result['jobs']} (each sleeps {result['sleep']} s, "
-        f"usage record every {result['report_interval']} s)"
+        f"usage record every {result['report_interval']} s, heartbeat timeout {result['heartbeat_timeout']:g} s)"
     )
     for key, label in [
         ("to_all_running_s", "submitted -> all running (s)"),
@@ -462,6 +468,12 @@ def main() -> None:
         "--ratio-jobs", type=int, default=200, help="jobs per round of the pipeline ratio; 0: skip"
     )
     parser.add_argument("--ratio-rounds", type=int, default=2)
+    parser.add_argument(
+        "--heartbeat-timeout",
+        type=float,
+        default=JobServiceConfig().activity_heartbeat_timeout.total_seconds(),
+        help="hpc.job_service.activity_heartbeat_timeout in seconds (default: the product's default)",
+    )
     args = parser.parse_args()
     result = asyncio.run(load(args))
     report(result)

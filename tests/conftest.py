@@ -77,6 +77,8 @@ def make_config(tmp_path: Path, **sections: Any) -> Config:
                 "job_poll_interval": "300ms",
                 "state_store_path": str(tmp_path / "state"),
                 "vanished_job_grace": "2s",
+                # A worker killed by a test is taken over quickly; production waits longer (loaded workers).
+                "activity_heartbeat_timeout": "10s",
             },
             "usage_reporting": {"report_interval": "2s"},
             "retry": {"max_retries": 2, "initial_backoff": "100ms", "max_backoff": "500ms"},

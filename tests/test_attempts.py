@@ -41,12 +41,12 @@ from tests.memory_adapter import MemoryAdapter, Script
 from tests.pipeline_harness import TENANT, running_pipeline, setup_ledger
 from virtengine_hpc.config import Secrets
 from virtengine_hpc.errors import ChainUnavailable
-from virtengine_hpc.messages import SubmitInput, SubmitOutput, UsageInput, WatchInput
+from virtengine_hpc.messages import JobStatusView, SubmitInput, SubmitOutput, UsageInput, WatchInput
 from virtengine_hpc.metering import meter
 from virtengine_hpc.models import JobSpec, Resources, UsageMetrics, UsageRecord
 from virtengine_hpc.signing import Signer
 from virtengine_hpc.states import JobState
-from virtengine_hpc.usage import sum_metrics
+from virtengine_hpc.usage import sign_record, sum_metrics
 from workers.wiring import build_worker_deps
 
 
@@ -835,3 +835,56 @@ async def test_a_final_report_whose_sequence_holds_a_period_record_follows_it(
         assert out.cumulative == sum_metrics([r.metrics for r in records]) == metered(final, job.resources)
     finally:
         await deps.close()
+
+
+class LateWriteChain:
+    """The LocalLedger, where the period record of a lost watch attempt lands late: just before the job's final
+    record, under the same sequence (the retried watch had looked for it and found nothing yet)."""
+
+    def __init__(self, ledger: LocalLedger, signer: Signer) -> None:
+        self.ledger = ledger
+        self.signer = signer
+        self.landed: list[str] = []
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.ledger, name)
+
+    async def submit_usage(self, records: list[UsageRecord]) -> UsageSubmitResult:
+        for record in records:
+            if record.is_final and not self.landed:
+                period = record.model_copy(update={"is_final": False, "job_state": JobState.RUNNING})
+                await self.ledger.submit_usage([sign_record(period, self.signer)])
+                self.landed.append(record.record_id)
+        return await self.ledger.submit_usage(records)
+
+
+async def test_a_final_record_that_follows_a_period_record_is_counted(
+    client: Any, tmp_path: Path, key_path: Path, task_queue: str
+) -> None:
+    """The final report finds a period record under its sequence and follows it with the next one; the workflow
+    counts both: the job's result and status name as many records as the chain holds (before, one short: the
+    workflow advanced its sequence by one whatever record the report ended on)."""
+    adapter = MemoryAdapter(
+        default=Script(
+            [(0.0, JobState.QUEUED), (0.2, JobState.RUNNING), (1.0, JobState.COMPLETED)], exit_code=0
+        )
+    )
+    chains: list[LateWriteChain] = []
+
+    def late(ledger: LocalLedger) -> LateWriteChain:
+        chains.append(LateWriteChain(ledger, Signer.from_file(key_path)))
+        return chains[-1]
+
+    config = make_config(tmp_path, hpc={"usage_reporting": {"report_interval": "1h"}})
+    async with running_pipeline(client, config, key_path, adapter, task_queue, chain=late) as pipe:
+        job_id = pipe.submit()
+        results = await pipe.run_until_done([job_id], timeout=90)
+        status = await pipe.handle(job_id).query("status", result_type=JobStatusView)
+    assert chains[0].landed == [f"{config.hpc.cluster_id}/{job_id}/1"]
+    assert results[job_id].state == JobState.COMPLETED, results[job_id].message
+    records = pipe.ledger.usage_records(job_id)
+    assert [(r.sequence, r.is_final) for r in records] == [(1, False), (2, True)]
+    assert results[job_id].final_record_id == records[-1].record_id
+    assert results[job_id].usage_records == 2
+    assert status.usage_records == 2
+    assert pipe.ledger.settlement(job_id) is not None

@@ -426,10 +426,36 @@ async def test_history_grows_by_about_six_events_per_report_cycle(pipe: Pipeline
 
 
 async def test_a_slow_submit_is_not_mistaken_for_a_dead_worker(pipe: Pipeline) -> None:
-    """sbatch over a slow SSH link can take longer than the submit's 10 s heartbeat timeout: the activity
+    """sbatch over a slow SSH link can take longer than the submit's heartbeat timeout (10 s here): the activity
     heartbeats while it waits, so it is not retried (a retry would be harmless but doubles scheduler load)."""
     adapter(pipe).submit_delay = 12.0
     job_id = pipe.submit()
     results = await pipe.run_until_done([job_id], timeout=120)
     assert results[job_id].state == C
     assert adapter(pipe).submits == 1
+
+
+async def test_the_configured_heartbeat_timeout_reaches_every_activity(
+    client: Client, tmp_path: Path, key_path: Path, task_queue: str
+) -> None:
+    """``hpc.job_service.activity_heartbeat_timeout`` is what Temporal waits for before it gives an attempt up:
+    submit and usage reports get it, the watch at least four poll intervals."""
+    config = make_config(
+        tmp_path,
+        hpc={"cluster_id": f"c-{uuid.uuid4().hex[:8]}", "job_service": {"activity_heartbeat_timeout": "7s"}},
+    )
+    async with running_pipeline(client, config, key_path, MemoryAdapter(), task_queue) as p:
+        job_id = p.submit()
+        results = await p.run_until_done([job_id])
+        history = await p.handle(job_id).fetch_history()
+    assert results[job_id].state == C
+    timeouts = {
+        e.activity_task_scheduled_event_attributes.activity_type.name: (
+            e.activity_task_scheduled_event_attributes.heartbeat_timeout.ToTimedelta().total_seconds()
+        )
+        for e in history.events
+        if e.HasField("activity_task_scheduled_event_attributes")
+    }
+    poll = config.hpc.scheduler_poll_interval.total_seconds()
+    assert timeouts["submit_job"] == 7 and timeouts["report_usage"] == 7, timeouts
+    assert timeouts["watch_job"] == max(7, 4 * poll), timeouts

@@ -119,6 +119,10 @@ class JobSettings(Model):
     retry: RetrySettings = Field(default_factory=RetrySettings)
     max_watch_seconds: float = 3600.0
     continue_as_new_after_events: int = 5000
+    heartbeat_timeout_seconds: float = Field(
+        30.0,
+        description="Heartbeat timeout of the job's activities (the watch's is at least four poll intervals).",
+    )
     max_queue_wait_seconds: float | None = Field(
         None,
         description="Cancel a job that has waited this long in the scheduler's queue without starting (reported "
@@ -458,6 +462,11 @@ class RecoverOutput(Model):
 
 class UsageOutput(Model):
     record_id: str | None = Field(None, description="None when nothing was sent (retry_on_failure off).")
+    sequence: int | None = Field(
+        None,
+        description="The sequence of the record the report ended on: one past the one asked for when a final "
+        "report found a period record under its sequence and followed it. None from releases before it.",
+    )
     cumulative: UsageMetrics
     period_end: datetime
     charged: str | None = None

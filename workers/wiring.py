@@ -76,6 +76,7 @@ def job_settings(config: Config, cluster_id: str | None = None) -> JobSettings:
         walltime_grace_seconds=hpc.job_service.walltime_grace.total_seconds(),
         vanished_grace_seconds=hpc.job_service.vanished_job_grace.total_seconds(),
         continue_as_new_after_events=hpc.job_service.continue_as_new_after_events,
+        heartbeat_timeout_seconds=hpc.job_service.activity_heartbeat_timeout.total_seconds(),
         retry=RetrySettings(
             max_retries=hpc.retry.max_retries,
             initial_backoff_seconds=hpc.retry.initial_backoff.total_seconds(),

@@ -60,8 +60,6 @@ SEARCH_ATTRIBUTES = (SA_STATE, SA_CLUSTER, SA_SCHEDULER_JOB, SA_TENANT, SA_TEMPL
 
 # Usage reports ride on the watch activity (one activity per report cycle instead of two).
 PATCH_USAGE_IN_WATCH = "usage-report-in-watch"
-# Short activities heartbeat every 2 s while they wait on the scheduler; a dead worker is noticed within this.
-SHORT_HEARTBEAT = timedelta(seconds=10)
 PATCH_MULTI_CLUSTER = "multi-cluster-task-queues"
 """Since 0.2: a job routed to another cluster runs its scheduler activities on that cluster's task queue."""
 PATCH_RECOVER_SUBMISSION = "recover-failed-submission"
@@ -290,7 +288,7 @@ class HPCJobWorkflow:
             ),
             task_queue=self.c.task_queue,
             start_to_close_timeout=timedelta(seconds=300),
-            heartbeat_timeout=SHORT_HEARTBEAT,
+            heartbeat_timeout=self._heartbeat_timeout(),
             retry_policy=self._retry(unlimited=True),
             result_type=RecoverOutput,
         )
@@ -403,7 +401,7 @@ class HPCJobWorkflow:
                 ),
                 task_queue=self.c.task_queue,
                 start_to_close_timeout=timedelta(seconds=300),
-                heartbeat_timeout=SHORT_HEARTBEAT,
+                heartbeat_timeout=self._heartbeat_timeout(),
                 retry_policy=self._retry(),
                 result_type=SubmitOutput,
                 # A cancelled submit may still be creating the job: wait until the attempt has really ended, so
@@ -475,7 +473,7 @@ class HPCJobWorkflow:
             ),
             task_queue=self.c.task_queue,
             start_to_close_timeout=timedelta(seconds=300),
-            heartbeat_timeout=SHORT_HEARTBEAT,
+            heartbeat_timeout=self._heartbeat_timeout(),
             retry_policy=self._retry(unlimited=True),
             result_type=FindOutput,
         )
@@ -533,7 +531,7 @@ class HPCJobWorkflow:
             request,
             task_queue=self.c.task_queue,
             start_to_close_timeout=(return_by - now) + timedelta(seconds=4 * poll + 120),
-            heartbeat_timeout=timedelta(seconds=max(10.0, 4 * poll)),
+            heartbeat_timeout=max(self._heartbeat_timeout(), timedelta(seconds=4 * poll)),
             retry_policy=self._retry(unlimited=True),
             result_type=WatchOutput,
         )
@@ -736,7 +734,7 @@ class HPCJobWorkflow:
                 self._usage_input(final=final, final_state=final_state, partial=partial),
                 task_queue=self.c.task_queue,
                 start_to_close_timeout=timedelta(seconds=300),
-                heartbeat_timeout=SHORT_HEARTBEAT,
+                heartbeat_timeout=self._heartbeat_timeout(),
                 retry_policy=self._retry(unlimited=unlimited),
                 result_type=UsageOutput,
             )
@@ -776,10 +774,12 @@ class HPCJobWorkflow:
         )
 
     def _record_sent(self, out: UsageOutput) -> None:
-        """The chain holds record ``next_sequence``: advance the sequence and the cumulative reading."""
+        """The chain holds the records up to the one the report ended on (``next_sequence``, or the one after it
+        when a final record followed a period record already under that sequence): advance past it."""
+        last = out.sequence if out.sequence is not None else self.c.next_sequence
         self.c = self.c.model_copy(
             update={
-                "next_sequence": self.c.next_sequence + 1,
+                "next_sequence": max(last, self.c.next_sequence) + 1,
                 "last_cumulative": out.cumulative,
                 "last_report_at": out.period_end,
             }
@@ -798,7 +798,7 @@ class HPCJobWorkflow:
                 ),
                 task_queue=self.c.task_queue,
                 start_to_close_timeout=timedelta(seconds=120),
-                heartbeat_timeout=SHORT_HEARTBEAT,
+                heartbeat_timeout=self._heartbeat_timeout(),
                 retry_policy=self._retry(),
             )
         except ActivityError as err:
@@ -941,6 +941,13 @@ class HPCJobWorkflow:
         return workflow.info().is_target_worker_deployment_version_changed() and workflow.patched(
             PATCH_UPGRADE_ON_CONTINUE_AS_NEW
         )
+
+    def _heartbeat_timeout(self) -> timedelta:
+        """How long Temporal waits for an activity's heartbeat before it gives the attempt up and retries it.
+
+        Activities heartbeat every 2 s while they wait; a dead worker is noticed within this, and a loaded but
+        alive one must not lose its attempts to it (``hpc.job_service.activity_heartbeat_timeout``)."""
+        return timedelta(seconds=self.settings.heartbeat_timeout_seconds)
 
     def _retry(self, *, unlimited: bool = False) -> RetryPolicy:
         r = self.settings.retry
