@@ -5,7 +5,8 @@ Run::
     .venv/bin/python -m benchmarks.intake [--jobs 10000] [--churn-jobs 600] [--churn-limit 100]
         [--churn-seconds 30]
 
-A dev server is started for the run (SQLite, the job workflow's search attributes). Workflows are started on a task
+Dev servers are started for the run (in-memory SQLite, the job workflow's search attributes): one for each backlog
+run, so neither poller pays for the other's workflows, and one for the churn part. Workflows are started on a task
 queue no worker polls: they stay open and hold their slot, so the figures are the intake's own, not the jobs'.
 
 * **Intake of a backlog**: ``--jobs`` pending chain jobs, ``max_concurrent_jobs`` above that; each poller polls
@@ -158,10 +159,29 @@ def make_poller(
     )
 
 
-async def backlog(
+async def dev_server() -> WorkflowEnvironment:
+    return await WorkflowEnvironment.start_local(
+        dev_server_existing_path=binary("temporal"),
+        data_converter=pydantic_data_converter,
+        search_attributes=list(SEARCH_ATTRIBUTES),
+        ui=False,
+        dev_server_log_level="error",
+    )
+
+
+async def backlog(kind: type[ChainPoller], base: Path, key: Path, jobs: int) -> dict[str, Any]:
+    """Every pending job started by one poller polling back to back, on a dev server of its own (a server
+    holding thousands of workflows starts more slowly: each poller gets an empty one)."""
+    env = await dev_server()
+    try:
+        return await _backlog(kind, env.client, base, key, jobs)
+    finally:
+        await env.shutdown()
+
+
+async def _backlog(
     kind: type[ChainPoller], client: Client, base: Path, key: Path, jobs: int
 ) -> dict[str, Any]:
-    """Every pending job started by one poller polling back to back."""
     address = client.service_client.config.target_host
     config = cluster_config(base / kind.__name__, address, jobs + 100)
     ledger = setup_ledger(config, Signer.from_file(key))
@@ -243,19 +263,13 @@ async def main() -> None:
     parser.add_argument("--churn-limit", type=int, default=100)
     parser.add_argument("--churn-seconds", type=float, default=30.0)
     args = parser.parse_args()
-    env = await WorkflowEnvironment.start_local(
-        dev_server_existing_path=binary("temporal"),
-        data_converter=pydantic_data_converter,
-        search_attributes=list(SEARCH_ATTRIBUTES),
-        ui=False,
-        dev_server_log_level="error",
-    )
     base = Path(tempfile.mkdtemp(prefix="vehpc-intake-"))
     key = base / "provider.key"
     write_private_key(key)
+    for kind in (ListingPoller, ChainPoller):
+        print(json.dumps(await backlog(kind, base, key, args.jobs)), flush=True)
+    env = await dev_server()
     try:
-        for kind in (ListingPoller, ChainPoller):
-            print(json.dumps(await backlog(kind, env.client, base, key, args.jobs)), flush=True)
         for kind in (ListingPoller, ChainPoller):
             figures = await churn(
                 kind, env.client, base, key, args.churn_jobs, args.churn_limit, args.churn_seconds

@@ -250,7 +250,7 @@ class ChainPoller:
         """Start up to ``free`` of ``jobs``, ``start_concurrency`` at a time, while the lease is valid; a job that
         does not start (refused, held, already running) leaves its slot to the next. The slots left."""
         queue = list(jobs)
-        while queue and free > 0 and self.lease.valid():
+        while queue and free > 0 and await self.lease.refresh():  # renewed within a long round too
             batch, queue = queue[:free], queue[free:]
             results = await self._start_batch(batch, stats)
             free -= sum(1 for started in results if started)
