@@ -68,6 +68,7 @@ sys.path.insert(0, str(REPO))
 from activities.audit import read_events, verify_log  # noqa: E402
 from activities.chain.local_ledger import LocalLedger, settle_amounts  # noqa: E402
 from activities.schedulers.base import SchedulerAdapter  # noqa: E402
+from tests.local_support import TENANT_POOL, running_as_root  # noqa: E402
 from virtengine_hpc.config import Config, Secrets, load_config  # noqa: E402
 from virtengine_hpc.errors import ChainUnavailable, HPCError  # noqa: E402
 from virtengine_hpc.messages import JobResult  # noqa: E402
@@ -369,7 +370,10 @@ class ChaosRun:
     # ---- set-up ----
     def config(self) -> Config:
         clusters: list[dict[str, Any]] = []
-        tenants: dict[str, Any] = {}
+        # Local jobs run as a tenant account under a root worker (temporal-dev/slurm-up.sh makes the pool).
+        tenants: dict[str, Any] = (
+            {"accounts": {TENANT: TENANT_POOL[0]}} if running_as_root() else {"isolation": "none"}
+        )
         if self.plan.local_jobs:
             clusters.append(
                 {

@@ -20,9 +20,12 @@ from pathlib import Path
 
 import psutil
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
 from activities.schedulers import local_supervisor as sup
 from activities.schedulers.base import SubmitRequest
 from activities.schedulers.local import LocalAdapter
+from tests.local_support import tenant_accounts
 from virtengine_hpc.config import LocalSchedulerConfig
 from virtengine_hpc.models import JobSpec
 
@@ -56,12 +59,14 @@ async def main() -> None:
     parser.add_argument("--live", type=int, default=300, help="jobs held queued or running at once")
     args = parser.parse_args()
     root = Path(tempfile.mkdtemp(prefix="local-bench-"))
+    root.chmod(0o711)  # the jobs' account (tenant1's, as root) passes through to its work directories
     try:
         raw = raw_spawn_rate(50)
         adapter = LocalAdapter(
             LocalSchedulerConfig(max_parallel_jobs=64, kill_wait="1s", allow_unisolated=True),
             root / "a",
             "bench",
+            tenant_accounts(),
         )
         started = time.perf_counter()
         ids = [(await adapter.submit(request(n, "true\n"))).scheduler_job_id for n in range(50)]
@@ -91,6 +96,7 @@ async def main() -> None:
             LocalSchedulerConfig(max_parallel_jobs=16, kill_wait="1s", allow_unisolated=True),
             root / "b",
             "bench",
+            tenant_accounts(),
         )
         live_ids = [(await live.submit(request(n, "sleep 120\n"))).scheduler_job_id for n in range(args.live)]
         await asyncio.sleep(3)

@@ -15,6 +15,7 @@ from temporalio.client import Client
 from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.testing import WorkflowEnvironment
 
+from tests.local_support import TENANT_POOL, reachable_dir, running_as_root
 from virtengine_hpc.config import Config, load_config
 from virtengine_hpc.signing import write_private_key
 
@@ -68,14 +69,20 @@ def key_path(tmp_path: Path) -> Path:
 
 
 def make_config(tmp_path: Path, **sections: Any) -> Config:
-    """A config for tests: state under tmp_path, short intervals, then the given section overrides."""
+    """A config for tests: state in a fresh directory, the audit log under tmp_path, short intervals, then the given
+    section overrides.
+
+    The state directory (ledger, local jobs) is one that tenant accounts can pass through, as the local executor
+    needs. Unless ``hpc.tenants`` is given, tenants get accounts from ``TENANT_POOL`` when the tests run as root,
+    and jobs run as the tests' own account (``hpc.tenants.isolation: none``) otherwise.
+    """
     data: dict[str, Any] = {
         "hpc": {
             "scheduler_type": "local",
             "cluster_id": "local-cluster",
             "job_service": {
                 "job_poll_interval": "300ms",
-                "state_store_path": str(tmp_path / "state"),
+                "state_store_path": str(reachable_dir("state") / "state"),
                 "vanished_job_grace": "2s",
                 # A worker killed by a test is taken over quickly; production waits longer (loaded workers).
                 "activity_heartbeat_timeout": "10s",
@@ -94,6 +101,10 @@ def make_config(tmp_path: Path, **sections: Any) -> Config:
     }
     for section, values in sections.items():
         data[section] = _deep_merge(data.get(section, {}), values)
+    # A test that names its tenants' accounts gets exactly those.
+    data["hpc"].setdefault(
+        "tenants", {"pool": list(TENANT_POOL)} if running_as_root() else {"isolation": "none"}
+    )
     return load_config(data=data, env={})
 
 

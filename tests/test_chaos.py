@@ -35,6 +35,7 @@ from activities.schedulers.base import SubmitRequest, SubmitResult
 from benchmarks.chaos import ChaosRun, LedgerLock, Plan, TemporalServer
 from tests import slurm_cluster as sc
 from tests.conftest import make_config
+from tests.local_support import reachable_dir
 from tests.memory_adapter import MemoryAdapter
 from tests.pipeline_harness import TENANT, running_pipeline, setup_ledger
 from virtengine_hpc.config import Secrets
@@ -49,7 +50,7 @@ from workers.wiring import build_worker_deps
 @pytest.mark.slow
 @pytest.mark.slurm
 @pytest.mark.timeout(420)
-async def test_jobs_of_every_outcome_survive_a_worker_kill_and_a_ledger_outage(tmp_path: Path) -> None:
+async def test_jobs_of_every_outcome_survive_a_worker_kill_and_a_ledger_outage() -> None:
     plan = Plan(
         slurm=sc.cluster(),
         slurm_jobs={"complete": 1},
@@ -66,7 +67,8 @@ async def test_jobs_of_every_outcome_survive_a_worker_kill_and_a_ledger_outage(t
         seed=7,
         timeout=280.0,
     )
-    outcome = await ChaosRun(tmp_path, plan).run()
+    # Local jobs run as tenant accounts: their state must be where those accounts can pass.
+    outcome = await ChaosRun(reachable_dir("chaos"), plan).run()
     outcome.print()
     assert outcome.ok, "\n".join(f"{c.name}: {c.detail}" for c in outcome.checks if not c.ok)
     assert any("worker SIGKILLed" in line for line in outcome.faults)

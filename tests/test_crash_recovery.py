@@ -21,6 +21,7 @@ from temporalio.testing import WorkflowEnvironment
 
 from activities.schedulers.local import LocalAdapter
 from tests.conftest import REPO, make_config
+from tests.local_support import shared_dir
 from tests.pipeline_harness import running_pipeline
 from virtengine_hpc.config import Config
 from virtengine_hpc.signing import Signer
@@ -135,7 +136,7 @@ async def test_sigkill_between_scheduler_accept_and_activity_completion_submits_
     local = LocalAdapter.from_config(config, None, config.hpc.cluster_id)  # type: ignore[arg-type]
     async with running_pipeline(client, config, key_path, local, f"{task_queue}-unused") as p:
         p.poller.task_queue = task_queue
-        marker = tmp_path / "ran.log"
+        marker = shared_dir() / "ran.log"  # the job, running as a tenant account, writes it
         job_id = p.submit(script=f"echo ran >> {marker}\nsleep 1\n", name="once")
         crashing = WorkerProcess(config_path, task_queue, key_path, tmp_path / "crash.log")
         worker_factory.append(crashing)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import pwd
 import random
 import signal
 import subprocess
@@ -25,20 +26,25 @@ import pytest
 from activities.schedulers import local_supervisor as sup
 from activities.schedulers.base import NativeStatus, SubmitRequest, registered
 from activities.schedulers.local import JOB_PATH, LocalAdapter, scheduler_job_id
+from activities.tenant_accounts import TenantAccounts
+from tests.local_support import JOB_PYTHON, reachable_dir, running_as_root, shared_dir, tenant_accounts
 from virtengine_hpc.config import LocalSchedulerConfig
 from virtengine_hpc.errors import ConfigError, JobNotFound, SubmissionRejected
 from virtengine_hpc.metering import GB, meter
 from virtengine_hpc.models import JobSpec, Resources
+from virtengine_hpc.signing import write_private_key
 from virtengine_hpc.states import FINAL_STATES, JobState
+from virtengine_hpc.tenancy import TenantRules
 
 REPO = Path(__file__).resolve().parents[1]
+#: The account ``tenant1``'s jobs run as when the tests run as root (``tenant_accounts``).
+TENANT_ACCOUNT = "vehpc-t1"
 pytestmark = pytest.mark.timeout(120)
 
 
 def spec(job_id: str, body: str, **fields: Any) -> JobSpec:
-    return JobSpec(
-        job_id=job_id, tenant="tenant1", provider="provider1", offering_id="offer-1", script=body, **fields
-    )
+    fields.setdefault("tenant", "tenant1")
+    return JobSpec(job_id=job_id, provider="provider1", offering_id="offer-1", script=body, **fields)
 
 
 def request(workflow_id: str, body: str, **fields: Any) -> SubmitRequest:
@@ -106,20 +112,44 @@ def stop_everything(state_dir: Path) -> None:
 
 
 @pytest.fixture
-def make_adapter(tmp_path: Path) -> Iterator[Callable[..., LocalAdapter]]:
-    state_dir = tmp_path / "state"
+def make_adapter() -> Iterator[Callable[..., LocalAdapter]]:
+    state_dir = reachable_dir("local") / "state"
 
     def make(**config: Any) -> LocalAdapter:
         config.setdefault("kill_wait", "1s")
         config.setdefault("allow_unisolated", True)
-        return LocalAdapter(LocalSchedulerConfig(**config), state_dir, "test-cluster")
+        return LocalAdapter(LocalSchedulerConfig(**config), state_dir, "test-cluster", tenant_accounts())
 
     yield make
     stop_everything(state_dir)
 
 
+@pytest.fixture
+def shared() -> Path:
+    """A directory the test and its jobs (running as tenant accounts) can both write to."""
+    return shared_dir()
+
+
 def test_registered_by_name() -> None:
     assert registered()["local"] is LocalAdapter
+
+
+def test_a_worker_that_cannot_switch_users_refuses_tenant_accounts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Not root, the worker could only run jobs as itself: that takes hpc.tenants.isolation: none, said outright."""
+    config = LocalSchedulerConfig(allow_unisolated=True)
+    isolated = TenantAccounts(TenantRules(fixed={"tenant1": "vehpc-t1"}), None)
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)  # a worker running as an ordinary account
+    with pytest.raises(
+        ConfigError, match=r"not root, so the local executor cannot run jobs as the tenants"
+    ) as no:
+        LocalAdapter(config, tmp_path / "state", "test-cluster", isolated)
+    assert "set hpc.tenants.isolation: none to run every job as" in str(no.value)
+    assert not (tmp_path / "state").exists()
+    LocalAdapter(
+        config, tmp_path / "state", "test-cluster", TenantAccounts(TenantRules(isolated=False), None)
+    )
 
 
 def test_the_local_executor_does_not_start_without_the_opt_in(tmp_path: Path) -> None:
@@ -148,7 +178,32 @@ async def test_script_runs_to_completion_with_its_output(make_adapter: Callable[
     assert (jobdir / "stdout").read_text() == "hello from wf-ok\n"
     assert (jobdir / "stderr").read_text() == "oops\n"
     assert (jobdir / "job.sh").read_text() == "#!/bin/bash\n" + body
-    assert (jobdir / "job.sh").stat().st_mode & 0o777 == 0o700
+    # The job's account owns its script and work directory; the rest (what the billing reads) is the worker's.
+    me, account = os.geteuid(), (TENANT_ACCOUNT if running_as_root() else None)
+    owner = pwd.getpwnam(account).pw_uid if account else me
+    modes = {
+        name: (path.stat().st_uid, path.stat().st_mode & 0o7777)
+        for name, path in [
+            ("dir", jobdir),
+            ("job.sh", jobdir / "job.sh"),
+            ("work", jobdir / "work"),
+            ("tmp", jobdir / "work" / "tmp"),
+            ("stdout", jobdir / "stdout"),
+            ("status", jobdir / "status.json"),
+            ("meta", jobdir / "meta.json"),
+            ("supervisor.log", jobdir / "supervisor.log"),
+        ]
+    }
+    assert modes == {
+        "dir": (me, 0o711),
+        "job.sh": (owner, 0o500),
+        "work": (owner, 0o700),
+        "tmp": (owner, 0o700),
+        "stdout": (me, 0o600),
+        "status": (me, 0o600),
+        "meta": (me, 0o600),
+        "supervisor.log": (me, 0o600),
+    }
 
     usage = await adapter.usage(result.scheduler_job_id)
     assert usage.final and usage.reading.wall_clock_seconds > 0
@@ -174,10 +229,10 @@ async def test_killed_by_a_signal_is_failed_naming_it(make_adapter: Callable[...
 
 
 async def test_missing_working_directory_fails_clearly(
-    make_adapter: Callable[..., LocalAdapter], tmp_path: Path
+    make_adapter: Callable[..., LocalAdapter], shared: Path
 ) -> None:
     adapter = make_adapter()
-    missing = str(tmp_path / "no-such-dir")
+    missing = str(shared / "no-such-dir")
     job_id = (await adapter.submit(request("wf-nowd", "true\n", working_directory=missing))).scheduler_job_id
     status = await wait_final(adapter, job_id)
     assert status.state == JobState.FAILED
@@ -197,7 +252,7 @@ async def test_walltime_exceeded_is_timeout_even_when_sigterm_is_ignored(
     assert status.start_time is not None and status.end_time is not None
     elapsed = (status.end_time - status.start_time).total_seconds()
     assert 1.9 <= elapsed < 6, elapsed  # walltime 1 s + kill_wait 1 s
-    leader = int((adapter.job_dir(job_id) / "leader.pid").read_text())
+    leader = int((adapter.work_dir(job_id) / "leader.pid").read_text())
     assert wait_gone(leader)
     usage = await adapter.usage(job_id)
     assert usage.final and 1.9 <= usage.reading.wall_clock_seconds < 6
@@ -216,8 +271,8 @@ async def test_cancel_running_job_kills_all_of_its_processes(
     )
     job_id = (await adapter.submit(request("wf-cancel-running", body))).scheduler_job_id
     await wait_for(adapter, job_id, {JobState.RUNNING})
-    jobdir = adapter.job_dir(job_id)
-    pids = [int(wait_file(jobdir / name)) for name in ("leader.pid", "background.pid", "daemon.pid")]
+    workdir = adapter.work_dir(job_id)
+    pids = [int(wait_file(workdir / name)) for name in ("leader.pid", "background.pid", "daemon.pid")]
 
     await adapter.cancel(job_id)
     status = await wait_final(adapter, job_id, timeout=10)
@@ -228,12 +283,12 @@ async def test_cancel_running_job_kills_all_of_its_processes(
 
 
 async def test_cancel_queued_job_never_runs_it(
-    make_adapter: Callable[..., LocalAdapter], tmp_path: Path
+    make_adapter: Callable[..., LocalAdapter], shared: Path
 ) -> None:
     adapter = make_adapter(max_parallel_jobs=1)
     first = (await adapter.submit(request("wf-slot-holder", "sleep 300\n"))).scheduler_job_id
     await wait_for(adapter, first, {JobState.RUNNING})
-    ran = tmp_path / "queued-job-ran"
+    ran = shared / "queued-job-ran"
     second = (await adapter.submit(request("wf-queued", f"touch {ran}\n"))).scheduler_job_id
     await asyncio.sleep(0.6)  # several slot polls: it must still be waiting
     assert (await adapter.status_batch([second]))[second].state == JobState.QUEUED
@@ -292,11 +347,12 @@ import asyncio, os, signal, sys
 from pathlib import Path
 from activities.schedulers.base import SubmitRequest
 from activities.schedulers.local import LocalAdapter
+from tests.local_support import tenant_accounts
 from virtengine_hpc.config import LocalSchedulerConfig
 from virtengine_hpc.models import JobSpec
 
 state, runs, crash, *workflow_ids = sys.argv[1:]
-adapter = LocalAdapter(LocalSchedulerConfig(allow_unisolated=True), Path(state), "test-cluster")
+adapter = LocalAdapter(LocalSchedulerConfig(allow_unisolated=True), Path(state), "test-cluster", tenant_accounts())
 
 def die(*_args):
     os.kill(os.getpid(), signal.SIGKILL)
@@ -345,10 +401,10 @@ def runs_of(runs: Path) -> list[str]:
 
 @pytest.mark.parametrize("crash", ["before_spawn", "after_spawn", "after_return"])
 async def test_exactly_once_when_the_submitter_is_killed(
-    make_adapter: Callable[..., LocalAdapter], tmp_path: Path, crash: str
+    make_adapter: Callable[..., LocalAdapter], shared: Path, crash: str
 ) -> None:
     adapter = make_adapter()
-    runs = tmp_path / "runs"
+    runs = shared / "runs"
     wf = f"wf-crash-{crash.replace('_', '-')}"
     child = start_submitter(adapter.state_dir, runs, crash, [wf])
     child.communicate(timeout=60)
@@ -364,11 +420,11 @@ async def test_exactly_once_when_the_submitter_is_killed(
 
 
 async def test_exactly_once_when_the_submitter_dies_at_random_moments(
-    make_adapter: Callable[..., LocalAdapter], tmp_path: Path
+    make_adapter: Callable[..., LocalAdapter], shared: Path
 ) -> None:
     adapter = make_adapter()
     rng = random.Random(20261130)
-    runs = tmp_path / "runs"
+    runs = shared / "runs"
     all_ids: list[str] = []
     for round_ in range(3):
         ids = [f"wf-random-{round_}-{n}" for n in range(6)]
@@ -387,11 +443,11 @@ async def test_exactly_once_when_the_submitter_dies_at_random_moments(
 
 
 async def test_a_second_supervisor_for_a_taken_job_refuses_to_run(
-    make_adapter: Callable[..., LocalAdapter], tmp_path: Path
+    make_adapter: Callable[..., LocalAdapter], shared: Path
 ) -> None:
     """The last line of defence: even if a supervisor were spawned twice, the marker stops the second."""
     adapter = make_adapter()
-    runs = tmp_path / "runs"
+    runs = shared / "runs"
     job_id = (await adapter.submit(runs_request("wf-twice", runs))).scheduler_job_id
     assert (await wait_final(adapter, job_id)).state == JobState.COMPLETED
     jobdir = adapter.job_dir(job_id)
@@ -414,10 +470,10 @@ async def test_a_second_supervisor_for_a_taken_job_refuses_to_run(
 
 
 async def test_concurrent_submits_of_one_workflow_start_one_job(
-    make_adapter: Callable[..., LocalAdapter], tmp_path: Path
+    make_adapter: Callable[..., LocalAdapter], shared: Path
 ) -> None:
     adapter, other = make_adapter(), make_adapter()
-    runs = tmp_path / "runs"
+    runs = shared / "runs"
     body = 'echo run >> "$RUNS"\n'
     req = SubmitRequest(
         workflow_id="wf-race", job=spec("wf-race", body, environment={"RUNS": str(runs)}), body=body
@@ -435,7 +491,7 @@ async def test_a_killed_supervisor_is_reported_failed_not_completed(
     adapter = make_adapter()
     job_id = (await adapter.submit(request("wf-lost", "echo $$ > leader.pid\nsleep 300\n"))).scheduler_job_id
     await wait_for(adapter, job_id, {JobState.RUNNING})
-    leader = int(wait_file(adapter.job_dir(job_id) / "leader.pid"))
+    leader = int(wait_file(adapter.work_dir(job_id) / "leader.pid"))
     os.kill(supervisor_pid(adapter, job_id), signal.SIGKILL)
 
     status = await wait_final(adapter, job_id, timeout=10)
@@ -451,12 +507,12 @@ async def test_a_killed_supervisor_is_reported_failed_not_completed(
 
 
 async def test_a_killed_queued_supervisor_is_reported_failed_and_never_runs(
-    make_adapter: Callable[..., LocalAdapter], tmp_path: Path
+    make_adapter: Callable[..., LocalAdapter], shared: Path
 ) -> None:
     adapter = make_adapter(max_parallel_jobs=1)
     holder = (await adapter.submit(request("wf-holder", "sleep 300\n"))).scheduler_job_id
     await wait_for(adapter, holder, {JobState.RUNNING})
-    ran = tmp_path / "ran"
+    ran = shared / "ran"
     queued = (await adapter.submit(request("wf-lost-queued", f"touch {ran}\n"))).scheduler_job_id
     await wait_for(adapter, queued, {JobState.QUEUED})
     os.kill(supervisor_pid(adapter, queued), signal.SIGKILL)
@@ -480,13 +536,13 @@ print(time.process_time())
 
 
 async def test_usage_follows_real_cpu_and_memory_and_never_goes_back(
-    make_adapter: Callable[..., LocalAdapter], tmp_path: Path
+    make_adapter: Callable[..., LocalAdapter], shared: Path
 ) -> None:
     adapter = make_adapter()
-    burner = tmp_path / "burn.py"
+    burner = shared / "burn.py"
     burner.write_text(BURNER)
     body = '"$PY" "$BURN" 96 1.5 > cpu1 &\n"$PY" "$BURN" 16 1.0 > cpu2\nwait\n'
-    env = {"PY": sys.executable, "BURN": str(burner)}
+    env = {"PY": JOB_PYTHON, "BURN": str(burner)}
     resources = Resources(tasks_per_node=2, storage_gb=10)
     job_id = (
         await adapter.submit(request("wf-burn", body, environment=env, resources=resources))
@@ -508,8 +564,8 @@ async def test_usage_follows_real_cpu_and_memory_and_never_goes_back(
     peaks = [r.reading.memory_bytes_max or 0 for r in readings]
     assert peaks == sorted(peaks)
 
-    jobdir = adapter.job_dir(job_id)
-    real_cpu = float((jobdir / "cpu1").read_text()) + float((jobdir / "cpu2").read_text())
+    workdir = adapter.work_dir(job_id)
+    real_cpu = float((workdir / "cpu1").read_text()) + float((workdir / "cpu2").read_text())
     measured = float(final.cpu_time_seconds or 0)
     print(f"measured {measured:.3f} s of CPU, the burners report {real_cpu:.3f} s")
     assert abs(measured - real_cpu) / real_cpu < 0.15, (measured, real_cpu)
@@ -543,14 +599,14 @@ time.sleep(float(sys.argv[2]))
 
 
 async def test_memory_is_measured_in_gb_of_ten_to_the_nine_bytes(
-    make_adapter: Callable[..., LocalAdapter], tmp_path: Path
+    make_adapter: Callable[..., LocalAdapter], shared: Path
 ) -> None:
     """A job holding ~400 MB for a few seconds used ~0.4 GB x seconds: GB, not GiB (which read 7 % low)."""
     adapter = make_adapter()
-    holder = tmp_path / "hold.py"
+    holder = shared / "hold.py"
     holder.write_text(HOLDER)
     held, seconds = 400_000_000, 4.0
-    env = {"PY": sys.executable, "HOLD": str(holder)}
+    env = {"PY": JOB_PYTHON, "HOLD": str(holder)}
     resources = Resources(memory_mb_per_node=382)  # 382 MiB = 400.56 MB asked for, and priced
     req = request("wf-hold", f'"$PY" "$HOLD" {held} {seconds}\n', environment=env, resources=resources)
     job_id = (await adapter.submit(req)).scheduler_job_id
@@ -600,13 +656,117 @@ async def test_what_this_host_cannot_provide_is_refused_before_anything_runs(
         assert (await wait_final(with_gpus, job_id)).state == JobState.COMPLETED
 
 
-# ---- what a tenant cannot do -------------------------------------------------------------------------------
-async def test_hostile_strings_never_reach_a_shell(
-    make_adapter: Callable[..., LocalAdapter], tmp_path: Path
+# ---- the job's account against the provider and the other tenants -------------------------------------------
+HOSTILE = r"""
+attempt() { name=$1; shift; if "$@" >/dev/null 2>&1; then echo "$name: done"; else echo "$name: denied"; fi; }
+control=$(dirname "$VIRTENGINE_JOB_DIR")
+printf '{"state": "completed", "native_state": "COMPLETED", "exit_code": 0, "usage": {}}' > forged.json
+attempt read-worker-environ cat "/proc/$WORKER_PID/environ"
+attempt read-supervisor-environ cat "/proc/$PPID/environ"
+attempt read-provider-key cat "$PROVIDER_KEY"
+attempt write-status cp forged.json "$control/status.json"
+attempt replace-status mv forged.json "$control/status.json"
+attempt write-meta cp /dev/null "$control/meta.json"
+attempt read-other-output cat "$OTHER_JOB_DIR/stdout"
+attempt read-other-files cat "$OTHER_JOB_DIR/work/secret.txt"
+attempt list-jobs ls "$(dirname "$control")"
+attempt kill-supervisor kill -KILL "$PPID"
+echo done > attempts-done
+sleep 1
+i=0; while [ $i -lt 100000 ]; do i=$((i+1)); done
+times > times.txt
+"""
+ATTEMPTS = [
+    "read-worker-environ",
+    "read-supervisor-environ",
+    "read-provider-key",
+    "write-status",
+    "replace-status",
+    "write-meta",
+    "read-other-output",
+    "read-other-files",
+    "list-jobs",
+    "kill-supervisor",
+]
+
+
+def bash_times(path: Path) -> Decimal:
+    """User + system CPU of a shell as its own ``times`` reported it (first line: 0m1.234s 0m0.010s)."""
+    total = Decimal(0)
+    for part in path.read_text().splitlines()[0].split():
+        minutes, seconds = part.rstrip("s").split("m")
+        total += Decimal(minutes) * 60 + Decimal(seconds)
+    return total
+
+
+@pytest.mark.skipif(not running_as_root(), reason="jobs run as tenant accounts only under a root worker")
+async def test_a_hostile_job_reaches_neither_the_provider_nor_another_tenant_and_pays_what_it_used(
+    make_adapter: Callable[..., LocalAdapter], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("SLURM_JWT_TOKEN", "worker-secret-token")
+    keys = reachable_dir("keys")  # only the key file's own mode and owner protect it
+    key = keys / "provider.key"
+    write_private_key(key)
+    adapter = make_adapter()
+    other = (
+        await adapter.submit(
+            request(
+                "wf-victim", "echo secret-of-tenant2\necho secret-of-tenant2 > secret.txt\n", tenant="tenant2"
+            )
+        )
+    ).scheduler_job_id
+    assert (await wait_final(adapter, other)).state == JobState.COMPLETED
+    env = {
+        "WORKER_PID": str(os.getpid()),
+        "PROVIDER_KEY": str(key),
+        "OTHER_JOB_DIR": str(adapter.job_dir(other)),
+    }
+    job_id = (await adapter.submit(request("wf-attacker", HOSTILE, environment=env))).scheduler_job_id
+
+    wait_file(adapter.work_dir(job_id) / "attempts-done")
+    assert (await adapter.status_batch([job_id]))[job_id].state == JobState.RUNNING, (
+        "the forged status counts"
+    )
+    status = await wait_final(adapter, job_id)
+    stdout = (adapter.job_dir(job_id) / "stdout").read_text()
+    assert stdout.splitlines() == [f"{name}: denied" for name in ATTEMPTS]
+    assert (status.state, status.exit_code) == (JobState.COMPLETED, 0)
+    # Billed from the supervisor's own reading: the CPU the job burned after its attempts, as bash counted it.
+    usage = await adapter.usage(job_id)
+    assert usage.final and usage.reading.cpu_time_seconds is not None and usage.reading.wall_clock_seconds > 1
+    own = bash_times(adapter.work_dir(job_id) / "times.txt")
+    assert abs(usage.reading.cpu_time_seconds - own) <= max(Decimal("0.1"), own * Decimal("0.15")), own
+    assert (adapter.work_dir(other) / "secret.txt").read_text() == "secret-of-tenant2\n"
+    owners = {pwd.getpwuid(adapter.work_dir(j).stat().st_uid).pw_name for j in (job_id, other)}
+    assert owners == {"vehpc-t1", "vehpc-t2"}, "two tenants, two accounts"
+
+
+async def test_a_job_runs_under_limits_sized_from_what_it_asked_for(
+    make_adapter: Callable[..., LocalAdapter],
 ) -> None:
     adapter = make_adapter()
-    pwned = tmp_path / "pwned"
-    pwned.mkdir()
+    resources = Resources(tasks_per_node=2, memory_mb_per_node=64, storage_gb=3)
+    body = (
+        "ulimit -v; ulimit -t; ulimit -f; ulimit -c; ulimit -u\n"
+        f'{JOB_PYTHON} -c "bytearray(256 * 2**20)" 2>/dev/null && echo allocated || echo refused\n'
+    )
+    req = request("wf-limits", body, resources=resources, walltime_seconds=600)
+    job_id = (await adapter.submit(req)).scheduler_job_id
+    assert (await wait_final(adapter, job_id)).state == JobState.COMPLETED
+    lines = (adapter.job_dir(job_id) / "stdout").read_text().splitlines()
+    nproc = str(max(256, 64 * 2)) if running_as_root() else lines[4]  # the worker's own account: not limited
+    # 2 x 64 MiB of address space (in KiB), 600 s x 2 cores of CPU, 3 GB per file (in KiB), no core files.
+    assert lines == [str(2 * 64 * 1024), "1200", str(3 * 10**9 // 1024), "0", nproc, "refused"]
+
+
+# ---- what a tenant cannot do -------------------------------------------------------------------------------
+async def test_hostile_strings_never_reach_a_shell(
+    make_adapter: Callable[..., LocalAdapter], shared: Path
+) -> None:
+    adapter = make_adapter()
+    pwned = shared / "pwned"
+    pwned.mkdir(mode=0o1777)
+    pwned.chmod(0o1777)  # the job could write here: it must not
     hostile = {
         "DOLLAR": f"$(touch {pwned}/dollar)",
         "BACKTICK": f"`touch {pwned}/backtick`",
@@ -633,11 +793,11 @@ async def test_hostile_strings_never_reach_a_shell(
 
 
 async def test_job_environment_is_clean_and_describes_the_allocation(
-    make_adapter: Callable[..., LocalAdapter], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    make_adapter: Callable[..., LocalAdapter], shared: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("SLURM_JWT_TOKEN", "worker-secret-token")
     adapter = make_adapter()
-    workdir = tmp_path / "workdir"
+    workdir = shared / "workdir"
     workdir.mkdir()
     resources = Resources(tasks_per_node=3, cpus_per_task=2)
     req = request(

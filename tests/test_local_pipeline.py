@@ -5,24 +5,28 @@ from __future__ import annotations
 
 import asyncio
 import os
+import pwd
 import subprocess
 import sys
 import uuid
 from collections.abc import AsyncIterator
 from decimal import Decimal
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
 from temporalio.client import Client
 from temporalio.testing import WorkflowEnvironment
 
+from activities.audit import read_events, verify_log
 from activities.schedulers.local import LocalAdapter
 from tests.conftest import make_config
+from tests.local_support import TENANT_POOL, reachable_dir, running_as_root
 from tests.pipeline_harness import TENANT, Pipeline, running_pipeline
 from virtengine_hpc.config import Secrets
 from virtengine_hpc.models import Allocation, Resources
-from virtengine_hpc.signing import Signer
+from virtengine_hpc.signing import Signer, write_private_key
 from virtengine_hpc.states import JobState
 from virtengine_hpc.usage import sum_metrics, verify_record
 
@@ -98,6 +102,107 @@ async def test_every_outcome_on_the_local_executor(pipe: Pipeline, key_path: Pat
     assert pipe.ledger.balance(TENANT) > Decimal("100000") - Decimal("500")
 
 
+HOSTILE = r"""
+attempt() { name=$1; shift; if "$@" >/dev/null 2>&1; then echo "$name: done"; else echo "$name: denied"; fi; }
+printf '{"state": "completed", "native_state": "COMPLETED", "exit_code": 0, "usage": {}}' > forged.json
+attempt read-worker-environ cat "/proc/$WORKER_PID/environ"
+attempt read-provider-key cat "$PROVIDER_KEY"
+attempt write-ledger sh -c 'printf x >> "$1"' sh "$LEDGER"
+attempt write-audit-log sh -c 'printf x >> "$1"' sh "$AUDIT_LOG"
+attempt forge-status cp forged.json "$(dirname "$VIRTENGINE_JOB_DIR")/status.json"
+attempt kill-supervisor kill -KILL "$PPID"
+sleep 3
+i=0; while [ $i -lt 100000 ]; do i=$((i+1)); done
+times > cpu_times.txt
+"""
+
+
+@pytest.mark.skipif(not running_as_root(), reason="jobs run as tenant accounts only under a root worker")
+async def test_a_hostile_job_cannot_touch_the_provider_and_is_billed_what_it_used(
+    client: Client, tmp_path: Path, task_queue: str
+) -> None:
+    # Key, ledger and audit log where any account may look: only their own modes and owners protect them.
+    provider = reachable_dir("provider")
+    key = provider / "provider.key"
+    write_private_key(key)
+    config = make_config(
+        tmp_path,
+        hpc={
+            "cluster_id": f"c-{uuid.uuid4().hex[:8]}",
+            "audit": {"log_path": str(provider / "audit.log")},
+            "local": {"max_walltime": "30s", "kill_wait": "1s", "job_poll_interval": "200ms"},
+        },
+    )
+    adapter = LocalAdapter.from_config(config, Secrets(), config.hpc.cluster_id)
+    async with running_pipeline(client, config, key, adapter, task_queue) as pipe:
+        env = {
+            "WORKER_PID": str(os.getpid()),
+            "PROVIDER_KEY": str(key),
+            "LEDGER": str(config.ledger_path),
+            "AUDIT_LOG": str(config.hpc.audit.log_path),
+        }
+        job_id = pipe.submit(script=HOSTILE, environment=env)
+        result = (await pipe.run_until_done([job_id], timeout=120))[job_id]
+
+    assert result.state == JobState.COMPLETED, result.message
+    stdout = (adapter.job_dir(str(result.scheduler_job_id)) / "stdout").read_text()
+    attempts = ["read-worker-environ", "read-provider-key", "write-ledger", "write-audit-log", "forge-status"]
+    assert stdout.splitlines() == [f"{name}: denied" for name in [*attempts, "kill-supervisor"]]
+    job = pipe.ledger.job(job_id)
+    assert job is not None and job.state == JobState.COMPLETED and job.exit_code == 0
+    records = pipe.ledger.usage_records(job_id)
+    assert [r.is_final for r in records].count(True) == 1
+    assert all(verify_record(r, Signer.from_file(key).public_key) for r in records)
+    # The records carry the supervisor's reading (the forged file said 0), over the whole run.
+    used = sum_metrics([r.metrics for r in records])
+    own = _bash_times(pipe, result.scheduler_job_id)
+    assert abs((used.cpu_time_seconds or Decimal(0)) - own) <= max(Decimal("0.1"), own * Decimal("0.15"))
+    assert used.wall_clock_seconds >= 3
+    settlement = pipe.ledger.settlement(job_id)
+    assert settlement is not None and settlement.charged > 0
+    assert settlement.charged + settlement.refunded == settlement.escrow
+    assert verify_log(config.hpc.audit.log_path).ok
+    owner = pwd.getpwuid(adapter.work_dir(str(result.scheduler_job_id)).stat().st_uid).pw_name
+    assert owner in TENANT_POOL
+
+
+@pytest.mark.skipif(not running_as_root(), reason="jobs run as tenant accounts only under a root worker")
+@pytest.mark.parametrize(
+    ("tenants", "reason"),
+    [
+        (
+            {"pool": [], "accounts": {"virtengine1tenant0bob": "vehpc-t3"}},
+            f"tenant {TENANT} has no cluster account: hpc.tenants.accounts does not name it and "
+            "hpc.tenants.pool is empty",
+        ),
+        (
+            {"pool": [], "accounts": {TENANT: "vehpc-nosuch"}},
+            f"tenant {TENANT}'s account vehpc-nosuch does not exist",
+        ),
+    ],
+)
+async def test_a_job_without_an_unprivileged_account_is_refused_and_refunded(
+    client: Client, tmp_path: Path, key_path: Path, task_queue: str, tenants: dict[str, Any], reason: str
+) -> None:
+    config = make_config(tmp_path, hpc={"cluster_id": f"c-{uuid.uuid4().hex[:8]}", "tenants": tenants})
+    adapter = LocalAdapter.from_config(config, Secrets(), config.hpc.cluster_id)
+    async with running_pipeline(client, config, key_path, adapter, task_queue) as pipe:
+        job_id = pipe.submit(script="echo ran > ran.txt\n")
+        result = (await pipe.run_until_done([job_id], timeout=60))[job_id]
+    assert result.state == JobState.FAILED
+    assert reason in result.message
+    assert not (config.local_state_dir / "jobs").exists() or not any(
+        (config.local_state_dir / "jobs").iterdir()
+    )
+    refund = pipe.ledger.settlement(job_id)
+    assert refund is not None and refund.charged == 0 and refund.refunded == refund.escrow
+    [failed] = [
+        e for e in read_events(config.hpc.audit.log_path) if e["event_type"] == "job_submission_failed"
+    ]
+    assert failed["job_id"] == job_id and reason in failed["error_msg"]
+    assert failed["details"]["code"] == "tenant_account_missing"
+
+
 def test_a_worker_refuses_to_run_local_jobs_without_the_opt_in(
     temporal_env: WorkflowEnvironment, tmp_path: Path, key_path: Path
 ) -> None:
@@ -128,8 +233,8 @@ def test_a_worker_refuses_to_run_local_jobs_without_the_opt_in(
 
 def _bash_times(pipe: Pipeline, scheduler_job_id: str | None) -> Decimal:
     """User + system CPU of the shell as its own `times` reported it (first line: 0m1.234s 0m0.010s)."""
-    job_dir = pipe.config.local_state_dir / "jobs" / str(scheduler_job_id)
-    first = (job_dir / "cpu_times.txt").read_text().splitlines()[0].split()
+    work_dir = pipe.config.local_state_dir / "jobs" / str(scheduler_job_id) / "work"
+    first = (work_dir / "cpu_times.txt").read_text().splitlines()[0].split()
     total = Decimal(0)
     for part in first:
         minutes, seconds = part.rstrip("s").split("m")

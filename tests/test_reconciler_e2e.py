@@ -114,7 +114,7 @@ async def test_a_terminated_workflow_s_job_is_closed_on_chain_by_the_reconciler_
     assert chain_job is not None and chain_job.scheduler_job_id is not None
     adapter = pipe.adapter
     assert isinstance(adapter, LocalAdapter)
-    pid_file = adapter.job_dir(chain_job.scheduler_job_id) / "leader.pid"
+    pid_file = adapter.work_dir(chain_job.scheduler_job_id) / "leader.pid"
     await eventually(pid_file.exists, "the job's pid file")
     leader = int(pid_file.read_text())
 

@@ -168,7 +168,7 @@ async def test_a_template_for_whole_nodes_asks_every_scheduler_for_them(
     config: Config, tmp_path: Path
 ) -> None:
     resolver = TemplateResolver()  # built-ins only, no price check
-    adapter = LocalAdapter(config.hpc.local, tmp_path / "local", "c1")
+    adapter = LocalAdapter(config.hpc.local, config.local_state_dir, "c1")
     specs = {
         "gpu-compute": job("gpu-compute", {"command": "nvidia-smi"}, resources={"gpus_per_node": 1}),
         "batch-standard": job("batch-standard", {"command": "hostname"}),
@@ -381,7 +381,7 @@ async def test_custom_template_usable_only_after_approval(
     config: Config, ledger: LocalLedger, tmp_path: Path
 ) -> None:
     resolver = TemplateResolver(ledger, AuditLog(config.hpc.audit))
-    adapter = LocalAdapter(config.hpc.local, tmp_path / "local", "c1")
+    adapter = LocalAdapter(config.hpc.local, config.local_state_dir, "c1")
     publish(ledger, Signer.generate())
     spec = job("bob-echo", {"words": "hello world"})
     with pytest.raises(ValidationError, match="not approved by governance \\(status pending\\)"):

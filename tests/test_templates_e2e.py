@@ -20,6 +20,7 @@ from temporalio.client import Client
 
 from activities.schedulers.local import LocalAdapter
 from tests.conftest import make_config
+from tests.local_support import shared_dir
 from tests.pipeline_harness import TENANT, Pipeline, running_pipeline
 from virtengine_hpc.cli import main as cli_main
 from virtengine_hpc.config import Secrets
@@ -63,7 +64,9 @@ def job_file(p: Pipeline, job_id: str, name: str) -> Path:
     job = p.ledger.job(job_id)
     assert job is not None and job.scheduler_job_id
     assert isinstance(p.adapter, LocalAdapter)
-    return p.adapter.job_dir(job.scheduler_job_id) / name
+    if name in ("stdout", "stderr"):  # written through the supervisor, in the job's directory
+        return p.adapter.job_dir(job.scheduler_job_id) / name
+    return p.adapter.work_dir(job.scheduler_job_id) / name  # written by the job, in its working directory
 
 
 def output(p: Pipeline, job_id: str, name: str = "stdout") -> str:
@@ -76,11 +79,12 @@ def settled_exactly(p: Pipeline, job_id: str) -> None:
     assert settlement.charged + settlement.refunded == settlement.escrow == Decimal(100)
 
 
-async def test_batch_mpi_and_data_templates_run_end_to_end(pipe: Pipeline, tmp_path: Path) -> None:
+async def test_batch_mpi_and_data_templates_run_end_to_end(pipe: Pipeline) -> None:
     needs("/usr/bin/mpirun", "/usr/bin/dask-scheduler")
-    driver = tmp_path / "etl.py"
+    shared = shared_dir()  # the jobs run as a tenant account: they read the driver and write out/ here
+    driver = shared / "etl.py"
     driver.write_text(DASK_DRIVER)
-    out_dir = tmp_path / "out"
+    out_dir = shared / "out"
     mpi_program = (
         '-c \'from mpi4py import MPI; c = MPI.COMM_WORLD; print("rank", c.Get_rank(), "of", c.Get_size())\''
     )

@@ -15,6 +15,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections import Counter
 from decimal import Decimal
@@ -47,6 +48,29 @@ def demo_dir() -> Path:
     return dev_dir() / "demo"
 
 
+def demo_tenants() -> dict[str, Any]:
+    """Who runs the demo tenant's jobs. A worker running as root never runs a tenant's job as root or as itself: the
+    demo maps its tenant to ``nobody``, an account every Debian host has. Run by anyone else, the worker can only
+    run jobs as itself, which ``isolation: none`` says outright (docs/security.md)."""
+    if os.geteuid() == 0:
+        return {"accounts": {TENANT: "nobody"}}
+    return {"isolation": "none"}
+
+
+def demo_jobs_dir(base: Path) -> Path:
+    """Where the demo's local jobs live: under ``base``, unless (as root) a directory above it lets no other
+    account through (a checkout under /root), which the jobs' account must pass; then a fresh one in the system's
+    temporary directory."""
+    from activities.schedulers.local import closed_directory
+
+    jobs = base / "state" / "local-jobs"
+    if os.geteuid() != 0 or closed_directory(base) is None:
+        return jobs
+    own = Path(tempfile.mkdtemp(prefix="virtengine-hpc-demo-"))
+    own.chmod(0o711)  # others pass through to their work directories, never list
+    return own / "local-jobs"
+
+
 def demo_config_data(base: Path, temporal_address: str) -> dict[str, Any]:
     return {
         "hpc": {
@@ -61,7 +85,13 @@ def demo_config_data(base: Path, temporal_address: str) -> dict[str, Any]:
             "retry": {"max_retries": 3, "initial_backoff": "500ms", "max_backoff": "5s"},
             "audit": {"log_path": str(base / "audit.log")},
             # The demo opts in to the local executor (no multi-tenant sandbox: docs/security.md).
-            "local": {"job_poll_interval": "1s", "max_parallel_jobs": 8, "allow_unisolated": True},
+            "local": {
+                "job_poll_interval": "1s",
+                "max_parallel_jobs": 8,
+                "allow_unisolated": True,
+                "state_dir": str(demo_jobs_dir(base)),
+            },
+            "tenants": demo_tenants(),
         },
         "routing": {"enforcement_mode": "strict"},
         "temporal": {

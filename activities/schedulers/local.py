@@ -50,6 +50,7 @@ from activities.schedulers.base import (
     SubmitResult,
     register,
 )
+from activities.tenant_accounts import TenantAccounts
 from virtengine_hpc.config import Config, LocalSchedulerConfig, Secrets
 from virtengine_hpc.errors import (
     ConfigError,
@@ -70,6 +71,54 @@ _SUPERVISOR_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8"}
 JOB_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 _STALE_TMP_SECONDS = 3600
 _META_CACHE_SIZE = 4096
+#: A job's processes may each map this many times the memory it asked for (``RLIMIT_AS``): programs reserve more
+#: address space than they touch (thread stacks, allocator arenas); what they really hold is measured and billed.
+ADDRESS_SPACE_FACTOR = 2
+#: Processes (and threads) one account may have at once, per core of the job (``RLIMIT_NPROC``), and at least.
+PROCESSES_PER_CORE = 64
+MIN_PROCESSES = 256
+#: Seconds between SIGXCPU and SIGKILL once a process used its CPU time (``RLIMIT_CPU``).
+CPU_KILL_GRACE = 10
+
+
+def resource_limits(resources: Resources, walltime: float, *, own_account: bool) -> dict[str, list[int]]:
+    """The ``RLIMIT_*`` (soft, hard) of a job's processes, sized from what it asked for.
+
+    Each is per process (``NPROC``: per account), so they bound what one process can take, not the job: ``AS``
+    the address space (``ADDRESS_SPACE_FACTOR`` x the memory per node), ``CPU`` the CPU seconds of the whole
+    allocation over the walltime, ``FSIZE`` a file it writes (its output too) to the scratch storage it asked
+    for (at least 1 GB), no core files; ``NPROC`` only when the job has an account of its own (the worker's
+    account runs more than the job).
+    """
+    memory = resources.memory_mb_per_node * 2**20 * ADDRESS_SPACE_FACTOR
+    cpu = max(1, math.ceil(walltime * resources.cpus_per_node))
+    size = max(resources.storage_gb, 1) * 10**9
+    limits = {
+        "AS": [memory, memory],
+        "CPU": [cpu, cpu + CPU_KILL_GRACE],
+        "FSIZE": [size, size],
+        "CORE": [0, 0],
+    }
+    if own_account:
+        processes = max(MIN_PROCESSES, PROCESSES_PER_CORE * resources.cpus_per_node)
+        limits["NPROC"] = [processes, processes]
+    return limits
+
+
+def closed_directory(path: Path) -> Path | None:
+    """The first existing directory from ``path`` up that other accounts may not pass through (no o+x), if any."""
+    for directory in [path, *path.parents]:
+        with contextlib.suppress(FileNotFoundError):
+            if not directory.stat().st_mode & 0o001:
+                return directory
+    return None
+
+
+def _user_name(uid: int) -> str:
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return str(uid)
 
 
 def scheduler_job_id(workflow_id: str) -> str:
@@ -104,14 +153,22 @@ def _dec(value: Any) -> Decimal:
 class LocalAdapter(SchedulerAdapter):
     """Runs jobs on this host under detached supervisors; ``max_parallel_jobs`` at once, the rest queue.
 
-    Not a sandbox: jobs run with the worker's uid. The job does not inherit the worker's environment.
+    Not a sandbox (docs/security.md). A worker running as root runs each job as its tenant's unprivileged
+    account (``accounts``), with resource limits; one that is not root can only run jobs as itself, which it does
+    only with ``hpc.tenants.isolation: none``. The job never inherits the worker's environment.
     """
 
     mpi_launcher = "mpirun"
     #: How long ``submit`` waits for a concurrent submit's supervisor to claim the job before giving up (transient).
     launch_timeout: float = 30.0
 
-    def __init__(self, config: LocalSchedulerConfig, state_dir: Path, cluster_id: str) -> None:
+    def __init__(
+        self,
+        config: LocalSchedulerConfig,
+        state_dir: Path,
+        cluster_id: str,
+        accounts: TenantAccounts | None = None,
+    ) -> None:
         if not config.allow_unisolated:
             raise ConfigError(
                 f"cluster {cluster_id} uses the local executor, which is no multi-tenant sandbox: it runs only "
@@ -121,12 +178,35 @@ class LocalAdapter(SchedulerAdapter):
             )
         self.config = config
         self.cluster_id = cluster_id
+        self.accounts = accounts
+        self.switches_users = os.geteuid() == 0
+        self.worker_user = _user_name(os.geteuid())
+        if accounts is not None and accounts.isolated and not self.switches_users:
+            raise ConfigError(
+                f"cluster {cluster_id}: the worker runs as {self.worker_user}, not root, so the local executor "
+                "cannot run jobs as the tenants' own accounts (hpc.tenants). Run the worker as root, or set "
+                f"hpc.tenants.isolation: none to run every job as {self.worker_user}, with access to all it can "
+                "read (demos on a developer's machine only; docs/security.md)."
+            )
         self.state_dir = Path(state_dir)
         self._jobs = self.state_dir / "jobs"
         self._slots = self.state_dir / "slots"
         self._tmp = self.state_dir / "tmp"
-        for path in (self.state_dir, self._jobs, self._slots, self._tmp):
-            path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        # Jobs' accounts pass through the state directory and jobs/ (0711: no listing) to their own work
+        # directories; slots and staging are the supervisors' alone.
+        for path, mode in (
+            (self.state_dir, 0o711),
+            (self._jobs, 0o711),
+            (self._slots, 0o700),
+            (self._tmp, 0o700),
+        ):
+            path.mkdir(mode=mode, parents=True, exist_ok=True)
+            if (
+                path.stat().st_uid == os.geteuid()
+            ):  # the umask may have taken bits; an earlier release made 0700
+                os.chmod(path, mode)
+        if self.switches_users:
+            self._check_reachable(self._jobs)
         self._meta_cache: dict[str, dict[str, Any]] = {}
         self._spawned: list[subprocess.Popen[bytes]] = []
         self._spawned_lock = threading.Lock()
@@ -134,8 +214,21 @@ class LocalAdapter(SchedulerAdapter):
 
     @classmethod
     def from_config(cls, config: Config, secrets: Secrets, cluster_id: str) -> LocalAdapter:
-        """The worker's local executor: ``hpc.local`` settings, jobs under ``Config.local_state_dir``."""
-        return cls(config.hpc.local, config.local_state_dir, cluster_id)
+        """The worker's local executor: ``hpc.local`` settings, jobs under ``Config.local_state_dir``, each run as
+        its tenant's account (``hpc.tenants``)."""
+        return cls(config.hpc.local, config.local_state_dir, cluster_id, TenantAccounts.from_config(config))
+
+    @staticmethod
+    def _check_reachable(path: Path) -> None:
+        """Every directory above the job directories must let other accounts through (search permission)."""
+        closed = closed_directory(path)
+        if closed is not None:
+            mode = closed.stat().st_mode & 0o7777
+            raise ConfigError(
+                f"hpc.local.state_dir {path.parent}: the tenants' accounts cannot reach their job directories, "
+                f"because {closed} (mode {mode:o}) lets no other account through; give it search permission for "
+                "others (chmod o+x) or choose a state_dir they can reach"
+            )
 
     # ---- public helpers ------------------------------------------------------------------------------------
     def cannot_provide(self, resources: Resources) -> str | None:
@@ -166,6 +259,10 @@ class LocalAdapter(SchedulerAdapter):
         if not _JOB_ID_RE.fullmatch(scheduler_job_id):
             raise JobNotFound(f"{scheduler_job_id[:80]!r} is not a local job id")
         return self._jobs / scheduler_job_id
+
+    def work_dir(self, scheduler_job_id: str) -> Path:
+        """The directory the job's account owns: its default working directory, ``HOME`` and ``TMPDIR``'s parent."""
+        return self.job_dir(scheduler_job_id) / sup.WORK
 
     # ---- the interface -------------------------------------------------------------------------------------
     async def submit(
@@ -203,7 +300,7 @@ class LocalAdapter(SchedulerAdapter):
         job_id = scheduler_job_id(request.workflow_id)
         jobdir = self._jobs / job_id
         if not jobdir.is_dir():
-            self._create_job_dir(request, job_id, jobdir)
+            self._create_job_dir(request, job_id, jobdir, self._run_as(request.job.tenant))
         meta = self._meta(job_id)
         if meta.get("workflow_id") != request.workflow_id:
             raise SubmissionRejected(
@@ -212,16 +309,65 @@ class LocalAdapter(SchedulerAdapter):
             )
         return self._launch(jobdir, job_id)
 
-    def _create_job_dir(self, request: SubmitRequest, job_id: str, jobdir: Path) -> None:
-        """Write the job's files into a private directory, then rename it into place: all or nothing."""
+    def _run_as(self, tenant: str) -> dict[str, Any] | None:
+        """The account a job of ``tenant`` runs as (``None``: the worker's own, with isolation none).
+
+        Raises a non-transient error, so the job is refused and nothing runs, when the tenant has no account, the
+        account is privileged (uid 0, group 0) or unknown on this host, or the worker cannot switch to it.
+        """
+        if self.accounts is None:
+            if self.switches_users:
+                raise SubmissionRejected(
+                    f"no unprivileged account to run tenant {tenant}'s job as: the worker runs as root and "
+                    "hpc.tenants maps no accounts; jobs never run as root",
+                    code="tenant_account_missing",
+                )
+            return None
+        account = self.accounts.account_for(tenant, submit_account=self.worker_user)
+        if account == self.worker_user and not self.switches_users:
+            return None
+        if not self.switches_users:
+            raise SubmissionRejected(
+                f"tenant {tenant}'s account {account} cannot be used: the worker runs as {self.worker_user}, "
+                "not root, and cannot switch users",
+                code="tenant_account_refused",
+            )
+        try:
+            entry = pwd.getpwnam(account)
+        except KeyError:
+            raise SubmissionRejected(
+                f"tenant {tenant}'s account {account} does not exist on this host",
+                code="tenant_account_missing",
+            ) from None
+        groups = sorted(set(os.getgrouplist(account, entry.pw_gid)))
+        if entry.pw_uid == 0 or 0 in groups:
+            raise SubmissionRejected(
+                f"refusing to run tenant {tenant}'s job as {account}: it has uid 0 or is in group 0",
+                code="tenant_account_refused",
+            )
+        return {"user": account, "uid": entry.pw_uid, "gid": entry.pw_gid, "groups": groups}
+
+    def _create_job_dir(
+        self, request: SubmitRequest, job_id: str, jobdir: Path, run_as: dict[str, Any] | None
+    ) -> None:
+        """Write the job's files into a private directory, then rename it into place: all or nothing.
+
+        The directory and what the billing reads (``meta.json``, ``status.json``) stay the worker's; the job's
+        account owns only its script and its ``work`` directory (with ``tmp``), the default working directory.
+        """
         staging = Path(tempfile.mkdtemp(prefix=f"{job_id}.", dir=self._tmp))
         try:
             body = request.body if request.body.endswith("\n") else request.body + "\n"
-            self._write_file(staging / sup.SCRIPT, ("#!/bin/bash\n" + body).encode(), 0o700)
-            meta = self._render_meta(request, job_id, jobdir)
+            self._write_file(staging / sup.SCRIPT, ("#!/bin/bash\n" + body).encode(), 0o500)
+            meta = self._render_meta(request, job_id, jobdir, run_as)
             self._write_file(staging / sup.META, json.dumps(meta, indent=1, sort_keys=True).encode(), 0o600)
-            (staging / sup.JOB_TMP).mkdir(mode=0o700)
-            os.chmod(staging, 0o700)
+            work = staging / sup.WORK
+            work.mkdir(mode=0o700)
+            (work / sup.JOB_TMP).mkdir(mode=0o700)
+            if run_as is not None:
+                for path in (staging / sup.SCRIPT, work, work / sup.JOB_TMP):
+                    os.chown(path, run_as["uid"], run_as["gid"])
+            os.chmod(staging, 0o711)  # noqa: S103 - others may pass through to work/, never list or read
             sup.fsync_dir(staging)
             try:
                 os.rename(staging, jobdir)
@@ -244,12 +390,14 @@ class LocalAdapter(SchedulerAdapter):
         finally:
             os.close(fd)
 
-    def _render_meta(self, request: SubmitRequest, job_id: str, jobdir: Path) -> dict[str, Any]:
+    def _render_meta(
+        self, request: SubmitRequest, job_id: str, jobdir: Path, run_as: dict[str, Any] | None
+    ) -> dict[str, Any]:
         job = request.job
         walltime = float(job.walltime_seconds)
         if self.config.max_walltime is not None:
             walltime = min(walltime, self.config.max_walltime.total_seconds())
-        workdir = job.working_directory or str(jobdir)
+        workdir = job.working_directory or str(jobdir / sup.WORK)
         return {
             "version": 1,
             "workflow_id": request.workflow_id,
@@ -270,27 +418,32 @@ class LocalAdapter(SchedulerAdapter):
             "limits": {
                 "walltime_seconds": walltime,
                 "kill_wait_seconds": self.config.kill_wait.total_seconds(),
+                "rlimits": resource_limits(job.resources, walltime, own_account=run_as is not None),
             },
             "slots": {"dir": str(self._slots), "count": self.config.max_parallel_jobs},
             "working_directory": workdir,
-            "env": self._environment(request, job_id, jobdir, workdir, walltime),
+            "run_as": run_as,
+            "env": self._environment(request, job_id, jobdir, workdir, walltime, run_as),
         }
 
     def _environment(
-        self, request: SubmitRequest, job_id: str, jobdir: Path, workdir: str, walltime: float
+        self,
+        request: SubmitRequest,
+        job_id: str,
+        jobdir: Path,
+        workdir: str,
+        walltime: float,
+        run_as: dict[str, Any] | None,
     ) -> dict[str, str]:
         """A clean environment: a minimal base, the tenant's variables, then ours (reserved names)."""
         job, res = request.job, request.job.resources
-        try:
-            user = pwd.getpwuid(os.getuid()).pw_name
-        except KeyError:
-            user = str(os.getuid())
+        user = run_as["user"] if run_as is not None else self.worker_user
         env = {
             "HOME": workdir,
             "LANG": "C.UTF-8",
             "LOGNAME": user,
             "SHELL": "/bin/bash",
-            "TMPDIR": str(jobdir / sup.JOB_TMP),
+            "TMPDIR": str(jobdir / sup.WORK / sup.JOB_TMP),
             "USER": user,
         }
         env.update(job.environment)
@@ -309,7 +462,7 @@ class LocalAdapter(SchedulerAdapter):
                 "VIRTENGINE_SCHEDULER_JOB_ID": job_id,
                 "VIRTENGINE_CLUSTER_ID": self.cluster_id,
                 "VIRTENGINE_JOB_NAME": job.name,
-                "VIRTENGINE_JOB_DIR": str(jobdir),
+                "VIRTENGINE_JOB_DIR": str(jobdir / sup.WORK),
                 "VIRTENGINE_GPUS_PER_NODE": str(res.gpus_per_node),
                 "VIRTENGINE_MEM_PER_NODE_MB": str(res.memory_mb_per_node),
                 "VIRTENGINE_WALLTIME_SECONDS": str(math.ceil(walltime)),
@@ -357,7 +510,10 @@ class LocalAdapter(SchedulerAdapter):
         """
         self._reap_spawned()
         try:
-            with open(jobdir / sup.SUPERVISOR_LOG, "ab") as log:
+            log_fd = os.open(
+                jobdir / sup.SUPERVISOR_LOG, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600
+            )
+            with open(log_fd, "ab") as log:
                 proc = subprocess.Popen(
                     [sys.executable, "-I", "-S", str(_SUPERVISOR), "--lock-fd", str(lock_fd), str(jobdir)],
                     stdin=subprocess.DEVNULL,

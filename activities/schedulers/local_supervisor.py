@@ -51,6 +51,8 @@ LOCK = "lock"
 STARTED = "started"
 CANCEL = "cancel"
 SUPERVISOR_LOG = "supervisor.log"
+#: The directory the job's account owns (the rest of the job directory is the supervisor's), and its tmp.
+WORK = "work"
 JOB_TMP = "tmp"
 
 STATUS_VERSION = 1
@@ -374,6 +376,60 @@ def _set_child_subreaper() -> bool:
         return False
 
 
+class EnterJob:
+    """The last steps of starting a job, in the forked child once it runs as the job's account (``preexec_fn``).
+
+    Resource limits first (``limits``: ``{"AS": [soft, hard], ...}``, each ``RLIMIT_<name>``; a limit is only
+    ever lowered), then the working directory, entered as the account, so that a directory the account may not
+    enter is refused even though the supervisor could. On failure it says why on the job's stderr and raises;
+    nothing of the job has run.
+    """
+
+    def __init__(self, workdir: str, limits: dict[str, list[int]], account: str) -> None:
+        import resource  # before the fork: the child should only make system calls
+
+        self.workdir = workdir
+        self.account = account
+        self.limits = [
+            (getattr(resource, f"RLIMIT_{name}"), soft, hard) for name, (soft, hard) in limits.items()
+        ]
+        self._getrlimit, self._setrlimit = resource.getrlimit, resource.setrlimit
+        self._infinity = resource.RLIM_INFINITY
+
+    def __call__(self) -> None:
+        try:
+            for which, soft, hard in self.limits:
+                _, now = self._getrlimit(which)
+                hard = hard if now == self._infinity else min(hard, now)
+                self._setrlimit(which, (min(soft, hard), hard))
+        except (OSError, ValueError) as exc:
+            self._refuse(f"cannot set the job's resource limits: {exc}")
+        try:
+            os.chdir(self.workdir)
+        except FileNotFoundError:
+            self._refuse(f"working directory {self.workdir} does not exist")
+        except NotADirectoryError:
+            self._refuse(f"working directory {self.workdir} is not a directory")
+        except OSError as exc:
+            self._refuse(
+                f"working directory {self.workdir} cannot be entered{self.account}: {exc.strerror or exc}"
+            )
+
+    @staticmethod
+    def _refuse(message: str) -> None:
+        os.write(2, f"{message}\n".encode())
+        raise RuntimeError(message)
+
+
+def _last_line(path: Path) -> str:
+    try:
+        with open(path, "rb") as fh:
+            lines = fh.read()[-1000:].decode(errors="replace").strip().splitlines()
+    except OSError:
+        return ""
+    return lines[-1] if lines else ""
+
+
 def _log(message: str) -> None:
     stamp = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime())
     print(f"{stamp} supervisor[{os.getpid()}]: {message}", file=sys.stderr, flush=True)
@@ -523,27 +579,38 @@ class Supervisor:
 
     # -- running
     def start_script(self) -> str | None:
-        """Start the script in a new session (and process group); an error message if it cannot start."""
+        """Start the script in a new session (and process group); an error message if it cannot start.
+
+        With ``run_as`` in the job's meta, the script runs as that account (its own groups, no others), which
+        takes a supervisor running as root: the account cannot signal the supervisor, read its or the worker's
+        ``/proc/<pid>/environ``, or write the files the adapter bills from.
+        """
         workdir = self.meta["working_directory"]
-        if not os.path.isdir(workdir):
-            return f"working directory {workdir} does not exist or is not a directory"
+        run_as = self.meta.get("run_as")
         flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC
         out = os.open(self.jobdir / STDOUT, flags, 0o600)
         err = os.open(self.jobdir / STDERR, flags, 0o600)
+        account = f" as {run_as['user']}" if run_as else ""
         try:
             # A fixed argv: the script travels as a file path, never as a shell string.
             self._script = subprocess.Popen(
                 [BASH, str(self.jobdir / SCRIPT)],
-                cwd=workdir,
                 env=self.meta["env"],
                 stdin=subprocess.DEVNULL,
                 stdout=out,
                 stderr=err,
                 start_new_session=True,
                 close_fds=True,
+                user=run_as["uid"] if run_as else None,
+                group=run_as["gid"] if run_as else None,
+                extra_groups=run_as["groups"] if run_as else None,
+                umask=0o077,
+                preexec_fn=EnterJob(workdir, self.limits.get("rlimits") or {}, account),
             )
+        except subprocess.SubprocessError:  # EnterJob refused; it said why on the job's stderr
+            return _last_line(self.jobdir / STDERR) or f"cannot start the job script{account} in {workdir}"
         except OSError as exc:
-            return f"cannot start the job script in {workdir}: {exc.strerror or exc}"
+            return f"cannot start the job script{account} in {workdir}: {exc.strerror or exc}"
         finally:
             os.close(out)
             os.close(err)

@@ -345,7 +345,7 @@ def cmd_session(args: argparse.Namespace) -> int:
             from activities.schedulers.local import LocalAdapter
 
             adapter = LocalAdapter(config.hpc.local, config.local_state_dir, config.hpc.cluster_id)
-            workdir = str(adapter.job_dir(job.scheduler_job_id))
+            workdir = str(adapter.work_dir(job.scheduler_job_id))
         elif config.hpc.scheduler_type == "slurm" and config.hpc.slurm.work_dir:
             workdir = str(config.hpc.slurm.work_dir)
         else:
