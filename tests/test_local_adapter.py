@@ -754,9 +754,24 @@ async def test_a_job_runs_under_limits_sized_from_what_it_asked_for(
     job_id = (await adapter.submit(req)).scheduler_job_id
     assert (await wait_final(adapter, job_id)).state == JobState.COMPLETED
     lines = (adapter.job_dir(job_id) / "stdout").read_text().splitlines()
-    nproc = str(max(256, 64 * 2)) if running_as_root() else lines[4]  # the worker's own account: not limited
+    nproc = str(max(4096, 64 * 2)) if running_as_root() else lines[4]  # the worker's own account: not limited
     # 2 x 64 MiB of address space (in KiB), 600 s x 2 cores of CPU, 3 GB per file (in KiB), no core files.
     assert lines == [str(2 * 64 * 1024), "1200", str(3 * 10**9 // 1024), "0", nproc, "refused"]
+
+
+async def test_the_process_limit_of_an_account_leaves_room_for_a_tenant_s_parallel_jobs(
+    make_adapter: Callable[..., LocalAdapter],
+) -> None:
+    """The kernel counts a process limit over every process of the account: all of a tenant's jobs share it."""
+    adapter = make_adapter()
+    body = (
+        "for i in $(seq 150); do sleep 4 & done 2>/dev/null\n"
+        'echo "$(jobs -p | wc -l) started"; kill $(jobs -p) 2>/dev/null; wait\n'
+    )
+    ids = [(await adapter.submit(request(f"wf-many-{n}", body))).scheduler_job_id for n in range(2)]
+    for job_id in ids:
+        assert (await wait_final(adapter, job_id)).state == JobState.COMPLETED
+        assert (adapter.job_dir(job_id) / "stdout").read_text() == "150 started\n"
 
 
 # ---- what a tenant cannot do -------------------------------------------------------------------------------

@@ -74,9 +74,11 @@ _META_CACHE_SIZE = 4096
 #: A job's processes may each map this many times the memory it asked for (``RLIMIT_AS``): programs reserve more
 #: address space than they touch (thread stacks, allocator arenas); what they really hold is measured and billed.
 ADDRESS_SPACE_FACTOR = 2
-#: Processes (and threads) one account may have at once, per core of the job (``RLIMIT_NPROC``), and at least.
+#: Processes (and threads) one account may have at once (``RLIMIT_NPROC``), per core of the job and at least: the
+#: kernel counts every process of the account, so this is the budget of all of a tenant's jobs on the host
+#: together. It stops a fork bomb well before the host runs out of process ids, not a tenant running many jobs.
 PROCESSES_PER_CORE = 64
-MIN_PROCESSES = 256
+MIN_PROCESSES = 4096
 #: Seconds between SIGXCPU and SIGKILL once a process used its CPU time (``RLIMIT_CPU``).
 CPU_KILL_GRACE = 10
 
