@@ -73,6 +73,8 @@ EVENTS: dict[str, Category] = {
     "state_recovered": Category.JOB,
     "job_parked": Category.JOB,
     "duplicate_job_cancelled": Category.JOB,  # this project's own: racing submit attempts' extra job
+    "unowned_job_cancelled": Category.JOB,  # this project's own: a job no workflow names, cancelled by the sweep
+    "unowned_job_found": Category.JOB,  # this project's own: the same, reported only (unowned_jobs: report)
     "job_reconciled": Category.JOB,  # this project's own: the reconciler closes a job no open workflow owns
     "usage_reported": Category.USAGE,
     "usage_report_failed": Category.USAGE,

@@ -93,21 +93,32 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+_last_scrape: tuple[float, dict[str, float]] = (0.0, {})
+
+
 def scrape(url: str) -> tuple[float, dict[str, float]]:
-    """(batched status queries, scheduler calls by operation) from the worker's /metrics."""
+    """(batched status queries, scheduler calls by operation) from the worker's /metrics; the last answer when
+    a worker too loaded to answer in time keeps it waiting (counters only grow, the next sample catches up)."""
+    global _last_scrape
     queries = 0.0
     calls: dict[str, float] = {}
-    for sample in metric_samples(url):
+    try:
+        samples = metric_samples(url)
+    except OSError as exc:
+        print(f"/metrics did not answer ({exc}); keeping the last sample's counters", flush=True)
+        return _last_scrape
+    for sample in samples:
         if sample.name == "virtengine_hpc_scheduler_queries_total":
             queries += sample.value
         elif sample.name == "virtengine_hpc_scheduler_call_seconds_count":
             operation = sample.labels["operation"]
             calls[operation] = calls.get(operation, 0.0) + sample.value
+    _last_scrape = (queries, calls)
     return queries, calls
 
 
 def metric_samples(url: str) -> list[Any]:
-    with urllib.request.urlopen(url, timeout=5) as answer:
+    with urllib.request.urlopen(url, timeout=30) as answer:
         text = answer.read().decode()
     return [sample for family in text_string_to_metric_families(text) for sample in family.samples]
 

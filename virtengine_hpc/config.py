@@ -182,6 +182,20 @@ class JobServiceConfig(Section):
         "docs/benchmarks.md). A job's watch waits at least four scheduler poll intervals. Fixed per job when it "
         "starts.",
     )
+    sweep_interval: Duration | None = Field(
+        timedelta(seconds=60),
+        gt=timedelta(0),
+        description="How often the poller lists, in one scheduler query per cluster, the live jobs that carry "
+        "this provider's marker of a workflow, and looks for those no workflow names: the duplicate of a "
+        "submit whose request the scheduler completed after the retry had checked, or a job whose workflow has "
+        "closed while its chain job is settled (docs/reliability.md). Null: no sweep. SLURM only (other "
+        "schedulers cannot list their jobs yet).",
+    )
+    unowned_jobs: Literal["cancel", "report"] = Field(
+        "cancel",
+        description="What the sweep does with a job no workflow names: cancel it (audit duplicate_job_cancelled "
+        "or unowned_job_cancelled), or only report it (audit unowned_job_found) and leave it running.",
+    )
     enable_state_recovery: bool = Field(
         True, description="Kept for compatibility: recovery always comes from Temporal's workflow history."
     )

@@ -209,6 +209,19 @@ class WorkerMetrics:
             ["cluster"],
             registry=r,
         )
+        self.swept = Counter(
+            f"{PREFIX}_swept_jobs",
+            "Scheduler jobs the sweep found that no workflow names, by kind (duplicate: the workflow names another "
+            "job; unowned: no open workflow, chain job settled) and action (cancelled, reported).",
+            ["cluster", "kind", "action"],
+            registry=r,
+        )
+        self.last_sweep = Gauge(
+            f"{PREFIX}_sweep_last_round_timestamp_seconds",
+            "When the sweep for scheduler jobs no workflow names last completed a round (unix time).",
+            ["cluster"],
+            registry=r,
+        )
         self.last_reconcile = Gauge(
             f"{PREFIX}_reconciler_last_round_timestamp_seconds",
             "When the reconciler last completed a round (unix time).",
@@ -281,12 +294,23 @@ def _reconciled(m: WorkerMetrics, cluster: str, success: bool, d: Mapping[str, A
     m.reconciled.labels(cluster, status.lower() if status in _CLOSED_STATUSES else "none").inc()
 
 
+def _duplicate_cancelled(m: WorkerMetrics, cluster: str, success: bool, d: Mapping[str, Any]) -> None:
+    if d.get("found_by") == "sweep":
+        m.swept.labels(cluster, "duplicate", "cancelled").inc()
+    else:
+        m.submissions.labels(cluster, "duplicate_cancelled").inc()
+
+
 _AUDIT_HANDLERS: dict[str, Callable[[WorkerMetrics, str, bool, Mapping[str, Any]], None]] = {
     "job_lifecycle_event": _transition,
     "job_submitted": _submitted,
     "job_submission_failed": lambda m, c, s, d: m.submissions.labels(c, "rejected").inc(),
     "job_max_retries_exceeded": lambda m, c, s, d: m.submissions.labels(c, "retries_exhausted").inc(),
-    "duplicate_job_cancelled": lambda m, c, s, d: m.submissions.labels(c, "duplicate_cancelled").inc(),
+    "duplicate_job_cancelled": _duplicate_cancelled,
+    "unowned_job_cancelled": lambda m, c, s, d: m.swept.labels(c, "unowned", "cancelled").inc(),
+    "unowned_job_found": lambda m, c, s, d: m.swept.labels(
+        c, str(d.get("kind", "unowned")), "reported"
+    ).inc(),
     "job_validation_failed": lambda m, c, s, d: m.validation_failures.labels(c).inc(),
     "usage_reported": lambda m, c, s, d: m.usage_records.labels(c, "sent").inc(),
     "usage_report_failed": lambda m, c, s, d: m.usage_records.labels(c, "failed").inc(),

@@ -34,10 +34,12 @@ from virtengine_hpc.logging import setup_logging
 from workers.health import HealthServer, Probes
 from workers.metrics import MeteredAuditLog, MetricsSource, WorkerMetrics, keep_job_gauge_fresh, make_runtime
 from workers.poller import ChainPoller
+from workers.sweeper import JobSweep
 from workers.versioning import deployment_config, promote_first_build
 from workers.wiring import (
     WorkerDeps,
     anchor_signer,
+    build_adapter,
     build_worker_deps,
     connect,
     job_settings,
@@ -123,6 +125,7 @@ class WorkerProcess:
         self.deps: WorkerDeps | None = None
         self.workers: dict[str, Worker] = {}
         self.pollers: list[ChainPoller] = []
+        self.sweeps: list[JobSweep] = []
         self.health: HealthServer | None = None
         self.stopping = False
         self._stopped = False
@@ -181,6 +184,19 @@ class WorkerProcess:
                 for cluster_id in deps.cluster_ids
             ]
             self._side_tasks += [asyncio.create_task(p.run(self._stop)) for p in self.pollers]
+            self.sweeps = [
+                _sweep(
+                    client,
+                    deps.chain,
+                    deps.adapters[cluster_id],
+                    config,
+                    deps.audit,
+                    cluster_id,
+                    self.metrics,
+                )
+                for cluster_id in deps.cluster_ids
+            ]
+            self._side_tasks += [asyncio.create_task(s.run(self._stop)) for s in self.sweeps]
         interval = config.metrics.jobs_refresh_interval.total_seconds()
         if config.metrics.listen and interval > 0:
             self._side_tasks.append(
@@ -378,6 +394,37 @@ def _poller(
     )
 
 
+def _sweep(
+    client: Client,
+    chain: ChainClient,
+    adapter: SchedulerAdapter,
+    config: Config,
+    audit: AuditLog,
+    cluster_id: str,
+    metrics: WorkerMetrics,
+) -> JobSweep:
+    return JobSweep(client, chain, adapter, config.for_cluster(cluster_id), audit, metrics=metrics)
+
+
+def _sweep_adapters(config: Config, served: Sequence[str]) -> dict[str, SchedulerAdapter]:
+    """The poller process's own adapters, for its sweeps (a cluster whose adapter cannot be built is not swept)."""
+    adapters: dict[str, SchedulerAdapter] = {}
+    if config.hpc.job_service.sweep_interval is None:
+        return adapters
+    secrets = Secrets.from_env()
+    for cluster_id in served:
+        try:
+            adapters[cluster_id] = build_adapter(config, secrets, cluster_id)
+        except HPCError as exc:
+            log.error(
+                "cluster %s: no sweep for scheduler jobs no workflow names: %s",
+                cluster_id,
+                exc,
+                extra={"cluster_id": cluster_id},
+            )
+    return adapters
+
+
 @contextlib.contextmanager
 def _stop_on_signals(stop: Callable[[], None]) -> Any:
     loop = asyncio.get_running_loop()
@@ -423,6 +470,11 @@ async def run_poller(config: Config, *, clusters: Sequence[str] | None = None) -
     )
     served = list(clusters) if clusters else config.served_cluster_ids()
     pollers = [_poller(client, chain, config, audit, cluster_id, metrics) for cluster_id in served]
+    adapters = _sweep_adapters(config, served)
+    sweeps = [
+        _sweep(client, chain, adapter, config, audit, cluster_id, metrics)
+        for cluster_id, adapter in adapters.items()
+    ]
     stop = asyncio.Event()
     health = None
     if config.metrics.listen:
@@ -450,6 +502,10 @@ async def run_poller(config: Config, *, clusters: Sequence[str] | None = None) -
         await health.start()
     with _stop_on_signals(stop.set):
         log.info("chain poller for clusters %s", ", ".join(served))
-        await asyncio.gather(*(p.run(stop) for p in pollers))
+        try:
+            await asyncio.gather(*(p.run(stop) for p in pollers), *(s.run(stop) for s in sweeps))
+        finally:
+            for adapter in adapters.values():
+                await adapter.close()
     if health is not None:
         await health.stop()

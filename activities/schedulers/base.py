@@ -16,6 +16,8 @@ exceptions (``virtengine_hpc.errors``) into Temporal errors. The contract, which
 * ``usage`` returns the job's raw cumulative reading since it started (monotone), final once the job ended, so
   that period records are differences of cumulative readings and add up to the final accounting.
 * ``cancel`` of a job that already ended is not an error.
+* ``marked_jobs`` (optional) lists, in one query, every job the scheduler holds that carries one of this provider's
+  workflow markers, so that jobs no workflow names (a late duplicate) can be found and stopped.
 """
 
 from __future__ import annotations
@@ -68,6 +70,16 @@ class SubmitResult(Model):
         description="Other jobs that carried the same workflow id (attempts that raced), found after the "
         "submission and cancelled; the oldest job is the one kept.",
     )
+
+
+class MarkedJob(Model):
+    """A scheduler job that carries this provider's marker of a workflow (what ``marked_jobs`` lists)."""
+
+    scheduler_job_id: str
+    workflow_id: str
+    final: bool = False
+    name: str = Field("", description="The job's name on the scheduler.")
+    user: str = Field("", description="The account the scheduler says the job runs as.")
 
 
 class NativeStatus(Model):
@@ -139,6 +151,13 @@ class SchedulerAdapter(abc.ABC):
         assigning one; None when this adapter cannot tell or the tenant has none yet. Adoption checks compare it
         with the account of a job found by its workflow id."""
         return None
+
+    async def marked_jobs(self) -> list[MarkedJob]:
+        """Every job the scheduler still holds that carries this provider's marker of a workflow, from one
+        query: what the per-cluster sweep (``workers/sweeper.py``) checks against the workflows.
+
+        Adapters that cannot list their jobs raise ``NotImplementedError``: the sweep is then off for them."""
+        raise NotImplementedError(f"{self.name} cannot list its jobs")
 
     async def drain_node(self, node: str, reason: str) -> None:
         raise NotImplementedError(f"{self.name} cannot drain nodes")

@@ -40,7 +40,7 @@ from datetime import UTC, datetime
 from decimal import Decimal
 from pathlib import Path
 
-from activities.schedulers.base import Accounting, NativeStatus, SubmitRequest, register
+from activities.schedulers.base import Accounting, MarkedJob, NativeStatus, SubmitRequest, register
 from activities.schedulers.slurm import parsers as p
 from activities.schedulers.slurm.backends import (
     TRANSIENT_PATTERNS,
@@ -74,7 +74,7 @@ from activities.schedulers.slurm.transports import (
 )
 from activities.tenant_accounts import TenantAccounts
 from virtengine_hpc.config import Config, Secrets, SlurmConfig
-from virtengine_hpc.errors import ConfigError, JobNotFound, SchedulerError
+from virtengine_hpc.errors import ConfigError, JobNotFound, SchedulerError, ValidationError
 from virtengine_hpc.metering import Allocated, Reading, highest
 from virtengine_hpc.states import JobState
 
@@ -344,6 +344,40 @@ class SlurmAdapter(BatchSchedulerAdapter):
 
     async def _cancel_many(self, scheduler_job_ids: Sequence[str]) -> None:
         await self.backend.cancel(list(scheduler_job_ids))
+
+    async def marked_jobs(self) -> list[MarkedJob]:
+        """The jobs that carry a workflow's marker and have not ended, of every account this provider's jobs run
+        as (one ``squeue``)."""
+        await self._ready()
+        out: list[MarkedJob] = []
+        for job in await self.backend.queue_live():
+            workflow = self._marked_workflow(job)
+            if workflow is None:
+                continue
+            final = map_state(job.state).state.final
+            out.append(
+                MarkedJob(
+                    scheduler_job_id=job.job_id,
+                    workflow_id=workflow,
+                    final=final,
+                    name=job.name,
+                    user=job.user,
+                )
+            )
+        return out
+
+    def _marked_workflow(self, job: p.QueueJob) -> str | None:
+        """The workflow whose marker ``job`` carries, run as an account this provider's jobs run as; else None.
+
+        The one marker check of the sweep: the name and comment a submission writes (``job_name``,
+        ``job_comment``) must agree, as for the lookups of a retried submit."""
+        workflow = workflow_of(job.name, job.comment)
+        if workflow is None or job.user not in self.backend.lookup_users:
+            return None
+        try:
+            return workflow if job_name(workflow) == job.name else None
+        except ValidationError:
+            return None
 
     # ---- status --------------------------------------------------------------------------------------------
     async def status_batch(self, scheduler_job_ids: Iterable[str]) -> dict[str, NativeStatus]:

@@ -118,6 +118,10 @@ class SlurmBackend(abc.ABC):
     async def queue_by_names(self, names: Sequence[str]) -> list[p.QueueJob]:
         """This user's jobs with these names, in any state the controller still holds."""
 
+    async def queue_live(self) -> list[p.QueueJob]:
+        """Every job of the accounts lookups search (``lookup_users``) that has not ended, in one query."""
+        raise NotImplementedError(f"{self.description}: cannot list the accounts' jobs")
+
     @abc.abstractmethod
     async def accounting(self, job_ids: Sequence[str], *, steps: bool) -> list[p.AcctJob]:
         """Accounting records of these jobs (with their steps if asked); raises ``AccountingDisabled``."""
@@ -240,6 +244,11 @@ class CliBackend(SlurmBackend):
             ["squeue", "-h", "-t", "all", "-u", users, "-n", ",".join(names), "-O", p.SQUEUE_FORMAT],
             what="squeue",
         )
+        return p.parse_squeue(result.stdout)
+
+    async def queue_live(self) -> list[p.QueueJob]:
+        users = ",".join(self.lookup_users)
+        result = await self._run(["squeue", "-h", "-u", users, "-O", p.SQUEUE_FORMAT], what="squeue")
         return p.parse_squeue(result.stdout)
 
     def _sacct(self, *selection: str, steps: bool) -> list[str]:
@@ -440,6 +449,10 @@ class RestBackend(SlurmBackend):
         users = set(self.lookup_users)
         return [job for job in await self._all_jobs() if job.name in wanted and job.user in users]
 
+    async def queue_live(self) -> list[p.QueueJob]:
+        users = set(self.lookup_users)
+        return [job for job in await self._all_jobs() if job.user in users]
+
     async def _db_job(self, job_id: str) -> list[p.AcctJob]:
         body = await self._get("slurmdb/job", f"{self.slurmdb}/job/{job_id}")
         errors = [e for e in p.rest_errors(body) if p.rest_error_code(e) != _NOTHING_FOUND]
@@ -595,6 +608,10 @@ class PyslurmBackend(SlurmBackend):
     async def queue_by_names(self, names: Sequence[str]) -> list[p.QueueJob]:
         wanted = set(names)
         return [job for job in await self._all() if job.name in wanted and job.user in self.lookup_users]
+
+    async def queue_live(self) -> list[p.QueueJob]:
+        users = set(self.lookup_users)
+        return [job for job in await self._all() if job.user in users]
 
     def _acct_job(self, job: Any) -> p.AcctJob:
         stats = getattr(job, "stats", None)

@@ -1,0 +1,260 @@
+"""The sweep: scheduler jobs that carry a workflow's marker but that no workflow names are found and stopped.
+
+Exactly-once submission reconciles duplicates after every submit (``activities/schedulers/batch/base.py``): the
+attempt that checks last sees every older job. One window stays open: a worker killed while its ``sbatch`` waited
+on a stalled controller, whose request the controller completes only after the retry's check. That job carries
+the workflow's marker, but the workflow names another one, and nothing would ever look at it again: it would run
+to its end, unwatched and unbilled. The same holds for any marked job whose workflow has closed.
+
+So every ``hpc.job_service.sweep_interval`` the sweep of a cluster lists the scheduler's live jobs that carry this
+provider's marker, **in one scheduler query** (``SchedulerAdapter.marked_jobs``), groups them by workflow id and
+asks Temporal's visibility store which job each workflow names (``VeSchedulerJobId`` on ``VeClusterId``; one
+query per page of workflows). A job the workflow does not name is a finding, confirmed before anything is done:
+
+* **duplicate**: the workflow is open and names another job. ``describe`` (strongly consistent, unlike
+  visibility) must still show it open and naming that job.
+* **unowned**: no workflow is open for the job's workflow id, and the chain shows the chain job of that id, this
+  provider's, final: the job is settled and nothing will ever watch or bill what runs on.
+
+What happens to a finding is ``hpc.job_service.unowned_jobs``: ``cancel`` (the default) cancels it and audits
+``duplicate_job_cancelled`` or ``unowned_job_cancelled``; ``report`` only audits ``unowned_job_found``. Anything
+else is left alone: a workflow that names no job yet (its submit is under way and reconciles by itself), a job
+whose chain job is not final while no workflow is open (the reconciler's recovery run stops it and settles its
+usage; the next sweep sees the rest), and a workflow id the chain does not know (not this provider's job).
+
+The sweep runs beside the chain poller, one per cluster (``docs/production.md``: one poller per cluster), so its
+scheduler load does not grow with the number of workers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import re
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from temporalio.client import Client, WorkflowExecutionStatus
+from temporalio.service import RPCError, RPCStatusCode
+
+from activities.audit import AuditLog
+from activities.chain.client import ChainClient
+from activities.schedulers.base import MarkedJob, SchedulerAdapter
+from virtengine_hpc.config import Config
+from virtengine_hpc.errors import HPCError
+from virtengine_hpc.messages import JOB_WORKFLOW_NAME
+from workers.metrics import WorkerMetrics
+from workflows.hpc_job import SA_CLUSTER, SA_SCHEDULER_JOB
+
+log = logging.getLogger(__name__)
+
+PAGE_SIZE = 200
+"""Workflow ids looked up in one visibility query."""
+_SAFE_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
+
+
+@dataclass(frozen=True)
+class Named:
+    """What a workflow's open run names: its scheduler job and the cluster it is on (None: no open run)."""
+
+    open: bool
+    cluster_id: str | None = None
+    scheduler_job_id: str | None = None
+
+
+@dataclass
+class SweepStats:
+    listed: int = 0
+    duplicates: list[str] = field(default_factory=list)
+    unowned: list[str] = field(default_factory=list)
+    left: int = 0  # live jobs no workflow names, left alone (see the module's docstring)
+
+
+class JobSweep:
+    """Finds, on one cluster, the marked scheduler jobs that no workflow names, and stops or reports them."""
+
+    def __init__(
+        self,
+        client: Client,
+        chain: ChainClient,
+        adapter: SchedulerAdapter,
+        config: Config,
+        audit: AuditLog,
+        *,
+        metrics: WorkerMetrics | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.client = client
+        self.chain = chain
+        self.adapter = adapter
+        self.audit = audit
+        self.metrics = metrics
+        self.clock = clock
+        self.cluster_id = config.hpc.cluster_id
+        self.provider = config.provider.address
+        job_service = config.hpc.job_service
+        self.interval = job_service.sweep_interval.total_seconds() if job_service.sweep_interval else None
+        self.cancel = job_service.unowned_jobs == "cancel"
+        self.rounds = 0  # rounds completed (tests wait on it)
+        self._stopping: set[str] = set()  # cancelled by an earlier round, still ending (COMPLETING)
+
+    async def run(self, stop: asyncio.Event) -> None:
+        if self.interval is None:
+            return
+        while not stop.is_set():
+            try:
+                await self.sweep_once()
+            except NotImplementedError as exc:
+                log.info(
+                    "no sweep for unnamed scheduler jobs: %s", exc, extra={"cluster_id": self.cluster_id}
+                )
+                return
+            except HPCError as exc:  # scheduler or chain unreachable: next round
+                log.warning("sweep failed: %s", exc, extra={"cluster_id": self.cluster_id})
+            except RPCError as exc:
+                log.warning(
+                    "sweep failed talking to Temporal: %s", exc, extra={"cluster_id": self.cluster_id}
+                )
+            except Exception:  # a bug must not end the loop: log it, go on
+                log.exception("sweep round failed", extra={"cluster_id": self.cluster_id})
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), timeout=self.interval)
+
+    async def sweep_once(self) -> SweepStats:
+        """One round: one scheduler listing, one visibility query per page of workflows, then the findings."""
+        stats = SweepStats()
+        jobs = [job for job in await self.adapter.marked_jobs() if not job.final]
+        stats.listed = len(jobs)
+        self._stopping &= {job.scheduler_job_id for job in jobs}
+        jobs = [job for job in jobs if job.scheduler_job_id not in self._stopping]
+        by_workflow: dict[str, list[MarkedJob]] = {}
+        for job in jobs:
+            by_workflow.setdefault(job.workflow_id, []).append(job)
+        named = await self._named(list(by_workflow))
+        for workflow_id, marked in by_workflow.items():
+            await self._check(workflow_id, marked, named.get(workflow_id, Named(open=False)), stats)
+        self.rounds += 1
+        if self.metrics is not None:
+            self.metrics.last_sweep.labels(self.cluster_id).set(self.clock())
+        return stats
+
+    async def _named(self, workflow_ids: list[str]) -> dict[str, Named]:
+        """What each workflow's open run names, as visibility sees it (it lags: findings are confirmed)."""
+        out: dict[str, Named] = {}
+        safe = [w for w in workflow_ids if _SAFE_ID.fullmatch(w)]
+        for start in range(0, len(safe), PAGE_SIZE):
+            quoted = ", ".join(f"'{w}'" for w in safe[start : start + PAGE_SIZE])
+            query = f"WorkflowType = '{JOB_WORKFLOW_NAME}' AND WorkflowId IN ({quoted})"
+            async for execution in self.client.list_workflows(query):
+                if execution.status == WorkflowExecutionStatus.RUNNING:
+                    attributes = execution.typed_search_attributes
+                    out[execution.id] = Named(
+                        open=True,
+                        cluster_id=attributes.get(SA_CLUSTER),
+                        scheduler_job_id=attributes.get(SA_SCHEDULER_JOB),
+                    )
+        return out
+
+    @staticmethod
+    def _unnamed(marked: list[MarkedJob], named: Named) -> list[MarkedJob]:
+        """The jobs here that the workflow's open run does not name."""
+        return [job for job in marked if job.scheduler_job_id != named.scheduler_job_id]
+
+    def _names_a_job_here(self, named: Named | None) -> bool:
+        """The open run names a job on this cluster. A workflow whose job is on another cluster is that cluster's
+        sweep's to judge: two cluster ids may share one scheduler, whose job ids mean nothing to the other."""
+        return (
+            named is not None
+            and named.open
+            and named.cluster_id == self.cluster_id
+            and bool(named.scheduler_job_id)
+        )
+
+    async def _check(self, workflow_id: str, marked: list[MarkedJob], seen: Named, stats: SweepStats) -> None:
+        if seen.open:
+            if not self._names_a_job_here(seen) or not self._unnamed(marked, seen):
+                return  # names its job, none yet (a submit under way reconciles by itself), or one elsewhere
+            confirmed = await self._describe(workflow_id)
+            if not self._names_a_job_here(confirmed):
+                stats.left += len(marked)
+                return
+            assert confirmed is not None
+            await self._found(workflow_id, self._unnamed(marked, confirmed), "duplicate", confirmed, stats)
+            return
+        if not await self._settled_on_chain(workflow_id):
+            stats.left += len(marked)
+            return
+        confirmed = await self._describe(workflow_id)
+        if confirmed is None or confirmed.open:
+            stats.left += len(marked)
+            return
+        await self._found(workflow_id, marked, "unowned", confirmed, stats)
+
+    async def _describe(self, workflow_id: str) -> Named | None:
+        """The workflow's latest run, strongly consistent; None when Temporal cannot tell right now."""
+        try:
+            description = await self.client.get_workflow_handle(workflow_id).describe()
+        except RPCError as exc:
+            if exc.status == RPCStatusCode.NOT_FOUND:
+                return Named(open=False)
+            log.warning(
+                "cannot look up workflow %s: %s", workflow_id, exc, extra={"cluster_id": self.cluster_id}
+            )
+            return None
+        if description.status != WorkflowExecutionStatus.RUNNING:
+            return Named(open=False)
+        attributes = description.typed_search_attributes
+        return Named(
+            open=True,
+            cluster_id=attributes.get(SA_CLUSTER),
+            scheduler_job_id=attributes.get(SA_SCHEDULER_JOB),
+        )
+
+    async def _settled_on_chain(self, workflow_id: str) -> bool:
+        """The chain job of this id is this provider's and final (a workflow id is its chain job's id)."""
+        job = await self.chain.get_job(workflow_id)
+        return job is not None and job.raw_spec.get("provider") == self.provider and job.state.final
+
+    async def _found(
+        self, workflow_id: str, jobs: list[MarkedJob], kind: str, named: Named, stats: SweepStats
+    ) -> None:
+        ids = [job.scheduler_job_id for job in jobs]
+        kept = named.scheduler_job_id
+        why = (
+            f"the workflow names scheduler job {named.scheduler_job_id}"
+            if kind == "duplicate"
+            else "no workflow is open for it and its chain job is final"
+        )
+        log.error(
+            "workflow %s: scheduler jobs %s on %s are not its own (%s); %s",
+            workflow_id,
+            ", ".join(ids),
+            self.cluster_id,
+            why,
+            "cancelling them" if self.cancel else "reporting them (hpc.job_service.unowned_jobs: report)",
+            extra={"workflow_id": workflow_id, "job_id": workflow_id, "cluster_id": self.cluster_id},
+        )
+        if self.cancel:
+            await self._cancel(ids)
+            self._stopping.update(ids)
+        (stats.duplicates if kind == "duplicate" else stats.unowned).extend(ids)
+        event = f"{kind}_job_cancelled" if self.cancel else "unowned_job_found"
+        for job in jobs:
+            self.audit.record(
+                event,
+                job_id=workflow_id,
+                cluster_id=self.cluster_id,
+                details={
+                    "scheduler_job_id": job.scheduler_job_id,
+                    "kept": kept,
+                    "kind": kind,
+                    "found_by": "sweep",
+                    "why": why,
+                },
+            )
+
+    async def _cancel(self, ids: list[str]) -> None:
+        for scheduler_job_id in ids:  # a failure raises: the round ends, the next one finds the job again
+            await self.adapter.cancel(scheduler_job_id)
