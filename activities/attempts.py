@@ -123,6 +123,8 @@ class Attempt:
         self.record(scheduler_job_id=scheduler_job_id)
 
     def beat(self) -> None:
+        if activity.info().is_local:
+            return  # a local activity has no heartbeats: its retries look up what an attempt did instead
         if self.progress == AttemptProgress():
             activity.heartbeat()
         else:
@@ -155,7 +157,7 @@ async def heartbeating(call: Awaitable[T], attempt: Attempt | None = None) -> T:
                 return task.result()
             if attempt is not None:
                 attempt.beat()
-            else:
+            elif not activity.info().is_local:
                 activity.heartbeat()
     except asyncio.CancelledError:
         _note_cancelled()

@@ -20,10 +20,12 @@ from typing import TypeVar
 from pydantic import ValidationError as PydanticValidationError
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
+from temporalio.service import RPCError
 
 from activities.attempts import Attempt, heartbeating
 from activities.audit import AuditLog
 from activities.chain.client import AccountingReport, ChainClient, StatusReport
+from activities.monitor import MonitorActivities, register
 from activities.routing import RoutingEnforcer
 from activities.schedulers.base import Accounting, NativeStatus, SchedulerAdapter, SubmitRequest, SubmitResult
 from activities.schedulers.batcher import StatusBatcher
@@ -47,6 +49,7 @@ from virtengine_hpc.messages import (
     UsageOutput,
     WatchInput,
     WatchOutput,
+    WatchRegistration,
 )
 from virtengine_hpc.metering import Reading, basis_of, meter, period_end
 from virtengine_hpc.models import (
@@ -119,6 +122,7 @@ class JobActivities:
         self.enforcer = enforcer
         self.resolve_body = resolve_body
         self.batchers: dict[str, StatusBatcher] = {}
+        self.monitor = MonitorActivities(self.adapters)
         # Usage records of concurrent activities go to the chain together, batch_size at a time.
         self.usage_batcher = UsageBatcher(chain, config.hpc.usage_reporting.batch_size)
         # What each job asked for (its priced allocation's bound), read once from the chain per job.
@@ -603,6 +607,18 @@ class JobActivities:
             cluster_id=request.cluster_id,
             details={"state": request.new_state.value},
         )
+        if request.watch is not None:
+            await self._tell_monitor(request.watch)
+
+    async def _tell_monitor(self, registration: WatchRegistration) -> None:
+        """The cluster's monitor hears the job's new state with the report that caused it (no step of its own)."""
+        try:
+            await register(activity.client(), registration)
+        except RPCError as exc:
+            raise ApplicationError(
+                f"cannot reach the monitor of cluster {registration.monitor.cluster_id}: {exc}",
+                type="TemporalUnavailable",
+            ) from None
 
     # ---- usage --------------------------------------------------------------------------------------------------
 
@@ -619,6 +635,13 @@ class JobActivities:
 
     async def _report_usage(self, request: UsageInput, attempt: Attempt) -> UsageOutput:
         rid = record_id(request.cluster_id, request.job_id, request.sequence)
+        try:
+            return await self._report_usage_once(request, rid, attempt)
+        except _Ended:
+            # The job ended before its workflow heard of it: its final record closes this period.
+            return UsageOutput(cumulative=request.previous_cumulative, period_end=request.period_start)
+
+    async def _report_usage_once(self, request: UsageInput, rid: str, attempt: Attempt) -> UsageOutput:
         try:
             # Chain calls heartbeat while they wait: a busy ledger waits out its busy timeout (30 s) before it
             # answers ChainUnavailable, longer than the 10 s heartbeat timeout, and a silent wait had Temporal
@@ -751,6 +774,8 @@ class JobActivities:
             if not request.accept_partial:
                 raise
             accounting = None  # the last reading stands: this record adds nothing
+        if request.until_end and not request.is_final and accounting is not None and accounting.end_time:
+            raise _Ended()
         if (
             accounting is not None
             and request.is_final
@@ -766,10 +791,11 @@ class JobActivities:
         taken = accounting.reading.taken_at if accounting is not None else None
         if accounting is not None and accounting.end_time is not None and request.is_final:
             taken = accounting.end_time
-        if taken is not None and not request.is_final:
+        if taken is not None and not request.is_final and not request.until_end:
             # A period record covers the time up to now: a reading the scheduler took earlier (a stale status file
             # of a supervisor that was restarted) must not end it in the past, or the next report is due at once
-            # and the workflow reports in a tight loop (found by the chaos test's worker kill).
+            # and the workflow reports in a tight loop (found by the chaos test's worker kill). A job that waits
+            # for its cluster monitor spaces its reports itself: its period ends with the reading.
             taken = max(taken, datetime.now(UTC))
         end = period_end(request.period_start, metrics.wall_clock_seconds, taken or datetime.now(UTC))
         record = UsageRecord(
@@ -792,6 +818,10 @@ class JobActivities:
             basis=basis_of(metrics),
         )
         return sign_record(record, self.signer)
+
+
+class _Ended(Exception):
+    """A period report found the job ended (``UsageInput.until_end``): nothing is sent."""
 
 
 def _add(previous: UsageMetrics, record: UsageRecord) -> UsageMetrics:

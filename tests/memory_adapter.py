@@ -166,7 +166,10 @@ class MemoryAdapter(SchedulerAdapter):
         state, started = self._state(job)
         if started is None:
             return Accounting(scheduler_job_id=scheduler_job_id, final=state.final)
-        now = self.clock()
+        now, wall = (
+            self.clock(),
+            self.wall(),
+        )  # read together: the reading's time is exact to a few microseconds
         end = now
         if state.final:
             ends = [job.submitted + at for at, s in job.script.steps if s.final]
@@ -174,7 +177,7 @@ class MemoryAdapter(SchedulerAdapter):
                 ends.append(job.cancelled_at)
             end = min(ends) if ends else end
         seconds = Decimal(str(round(max(0.0, end - started), 3)))
-        at = self.wall() - timedelta(seconds=now - end)  # the moment the reading describes, on the wall clock
+        at = wall - timedelta(seconds=now - end)  # the moment the reading describes, on the wall clock
         return Accounting(
             scheduler_job_id=scheduler_job_id,
             final=state.final,

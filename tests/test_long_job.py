@@ -8,14 +8,15 @@ the job ends settled after several runs, no run's history comes near Temporal's 
 records are gapless (sequences 1..N, each period starting where the previous one ended) and add up to the final
 accounting, and every run's history replays on the current code.
 
-Time: the workflow waits inside its watch activity, not on timers, so the test server never skips time by itself.
-The watch used here moves the test server's clock forward (``env.sleep``) in poll-interval steps until the job's
-state changes or the watch's ``return_by``, then runs the real watch. The activities, the ledger and the scheduler
-read that same clock, so a 30-day job takes 30 days on every clock that matters and a few minutes of real time.
+Time: the job waits on timers (its next report) and on its cluster monitor's signals, and the monitor waits on a
+timer between its polls, so the test server skips the time between them. The monitor's poll and the usage reports
+used here first read the test server's clock; the activities, the ledger and the scheduler read that same clock,
+so a 30-day job takes 30 days on every clock that matters and a few minutes of real time.
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import uuid
 from collections.abc import AsyncIterator
@@ -30,23 +31,35 @@ from temporalio import activity
 from temporalio.api.operatorservice.v1 import AddSearchAttributesRequest
 from temporalio.client import Client, WorkflowHandle, WorkflowHistory
 from temporalio.contrib.pydantic import pydantic_data_converter
+from temporalio.service import RPCError
 from temporalio.testing import WorkflowEnvironment
 from temporalio.worker import Replayer, Worker
 
 import activities.jobs
 from activities.jobs import JobActivities
-from activities.schedulers.batcher import StatusBatcher
+from activities.monitor import MonitorActivities
 from tests.conftest import binary, make_config
 from tests.memory_adapter import MemoryAdapter, Script
 from tests.pipeline_harness import OFFERING, TENANT, setup_ledger
 from virtengine_hpc.config import Config, Secrets
-from virtengine_hpc.messages import JobRef, JobResult, JobSettings, JobWorkflowInput, WatchInput, WatchOutput
+from virtengine_hpc.messages import (
+    JobRef,
+    JobResult,
+    JobSettings,
+    JobWorkflowInput,
+    PollInput,
+    PollOutput,
+    UsageInput,
+    UsageOutput,
+    monitor_workflow_id,
+)
 from virtengine_hpc.models import JobSpec, UsageRecord, spec_digest
 from virtengine_hpc.signing import Signer
 from virtengine_hpc.states import JobState
 from virtengine_hpc.usage import sum_metrics, verify_record
 from workers.wiring import build_worker_deps, job_settings
 from workers.worker import job_activities
+from workflows.cluster_monitor import ClusterMonitorWorkflow
 from workflows.hpc_job import SEARCH_ATTRIBUTES, HPCJobWorkflow, initial_search_attributes
 
 DAY = 86400
@@ -136,7 +149,8 @@ async def run_long_job(
         tmp_path,
         hpc={
             "cluster_id": f"long-{uuid.uuid4().hex[:6]}",
-            "local": {"job_poll_interval": "5m"},
+            # The monitor asks the scheduler hourly: a month of 5-minute rounds would only slow the test down.
+            "local": {"job_poll_interval": "1h"},
             "usage_reporting": {"report_interval": "5m"},
             "job_service": job_service or {},
         },
@@ -158,15 +172,18 @@ async def run_long_job(
         adapters={config.hpc.cluster_id: adapter},
     )
     acts = deps.activities
-    # One status query per watch round, without waiting out the 5-minute poll interval in real time.
-    batcher = StatusBatcher(adapter, 0)
-    batcher.interval = 0.0
-    acts.batchers[config.hpc.cluster_id] = batcher
 
-    @activity.defn(name="watch_job")
-    async def watch_job(request: WatchInput) -> WatchOutput:
-        await skip_while_unchanged(clock, adapter, request)
-        return await JobActivities.watch_job(acts, request)
+    @activity.defn(name="poll_cluster")
+    async def poll_cluster(request: PollInput) -> PollOutput:
+        await clock.advance_to(clock.now())
+        return await MonitorActivities.poll_cluster(acts.monitor, request)
+
+    @activity.defn(name="report_usage")
+    async def report_usage(request: UsageInput) -> UsageOutput:
+        await clock.advance_to(clock.now())
+        return await JobActivities.report_usage(acts, request)
+
+    on_skipped_clock = {"poll_cluster": poll_cluster, "report_usage": report_usage}
 
     job_id = ledger.submit_job(
         {
@@ -190,10 +207,13 @@ async def run_long_job(
         settings=settings,
     )
     queue = f"tq-{uuid.uuid4().hex[:12]}"
-    activities_here = [watch_job if a.__name__ == "watch_job" else a for a in job_activities(acts)]
+    activities_here = [on_skipped_clock.get(a.__name__, a) for a in job_activities(acts)]
     try:
         async with Worker(
-            env.client, task_queue=queue, workflows=[HPCJobWorkflow], activities=activities_here
+            env.client,
+            task_queue=queue,
+            workflows=[HPCJobWorkflow, ClusterMonitorWorkflow],
+            activities=activities_here,
         ):
             handle: WorkflowHandle[Any, JobResult] = await env.client.start_workflow(
                 HPCJobWorkflow.run,
@@ -205,6 +225,10 @@ async def run_long_job(
             result = await wait_result(handle)
             runs = await histories_of_every_run(env.client, job_id, handle.first_execution_run_id or "")
     finally:
+        # The cluster's monitor would outlive the test with a round no worker takes, and the test server skips no
+        # time while an activity is outstanding: the next test on this server would wait in real time.
+        with contextlib.suppress(RPCError):
+            await env.client.get_workflow_handle(monitor_workflow_id(queue)).terminate("test over")
         await deps.close()
     job = adapter.jobs[result.scheduler_job_id or ""]
     started = datetime.fromtimestamp(job.submitted, UTC)
@@ -230,18 +254,6 @@ async def wait_result(handle: WorkflowHandle[Any, JobResult]) -> JobResult:
         except RuntimeError as err:
             if "No completion event found" not in str(err):
                 raise
-
-
-async def skip_while_unchanged(clock: SkippedClock, adapter: MemoryAdapter, request: WatchInput) -> None:
-    """What a watch does in real time, on the skipped clock: look at the job every poll interval until its state
-    changes or ``return_by`` comes."""
-    step = timedelta(seconds=request.poll_interval_seconds)
-    while clock.now() < request.return_by:
-        status = (await adapter.status_batch([request.scheduler_job_id]))[request.scheduler_job_id]
-        if status.state != request.last_state:
-            return
-        await clock.advance_to(min(request.return_by, clock.now() + step))
-        activity.heartbeat()
 
 
 async def histories_of_every_run(

@@ -122,6 +122,9 @@ def payloads_of(events: list[Any]) -> list[tuple[str, bytes, int]]:
         elif event.HasField("activity_task_completed_event_attributes"):
             attrs = event.activity_task_completed_event_attributes
             add(scheduled[attrs.scheduled_event_id], attrs.result)
+        elif event.HasField("workflow_execution_signaled_event_attributes"):
+            attrs = event.workflow_execution_signaled_event_attributes
+            add(attrs.signal_name, attrs.input)
     return out
 
 
@@ -142,7 +145,7 @@ async def test_every_payload_stays_within_its_budget_at_the_limits(pipe: Pipelin
             template_parameters={"command": "printenv", "args": names},
             environment=env,
         ),
-        # Runs past two report intervals: its watch activities carry usage reports.
+        # Runs past two report intervals: it sends period records.
         "small": pipe.submit(script=f"#!/bin/bash\necho {marker}\nsleep 5\n"),
     }
     async with poller_loop(pipe):
@@ -165,8 +168,15 @@ async def test_every_payload_stays_within_its_budget_at_the_limits(pipe: Pipelin
             assert size <= PAYLOAD_BUDGET[what], f"{label}: {what} payload of {size} bytes"
             assert marker.encode() not in data and b"\\u0001" not in data, f"{label}: {what} carries the job"
             largest[what] = max(largest.get(what, 0), size)
-    assert set(largest) >= {"workflow input", "route_job", "submit_job", "watch_job", "report_usage"}
-    assert len(pipe.ledger.usage_records(jobs["small"])) >= 3, "periodic records rode on watch activities"
+    assert set(largest) >= {
+        "workflow input",
+        "route_job",
+        "submit_job",
+        "report_transition",
+        "report_usage",
+        "observe",
+    }
+    assert len(pipe.ledger.usage_records(jobs["small"])) >= 3, "period records and the final one"
     print("\nlargest payloads (bytes):", json.dumps(largest, indent=1))
 
 

@@ -17,6 +17,7 @@ from virtengine_hpc.models import Address, Identifier, JobSpec, Model, Name, Res
 from virtengine_hpc.states import JobState, LifecycleEvent
 
 JOB_WORKFLOW_NAME = "HPCJobWorkflow"
+MONITOR_WORKFLOW_NAME = "ClusterMonitorWorkflow"
 PARKED = "parked"
 """``VeJobState`` of a job whose workflow waits for an operator (``virtengine-hpc jobs retry JOB``)."""
 
@@ -37,9 +38,12 @@ PAYLOAD_BUDGET: dict[str, int] = {
     "report_usage": 4 * 1024,
     "recover_job": 2 * 1024,
     "park_job": 4 * 1024,
+    "watch_with_monitor": 2 * 1024,
+    "poll_cluster": 64 * 1024,
+    "observe": 2 * 1024,
 }
-"""Bytes per serialized payload: the job workflow's input (also what continue-as-new carries) and result, and per
-activity the most its input and its result may each take."""
+"""Bytes per serialized payload: the job workflow's input (also what continue-as-new carries) and result, per
+activity the most its input and its result may each take, and per signal its argument."""
 WORKFLOW_INPUT_BUDGET = PAYLOAD_BUDGET["workflow input"]
 """The poller refuses a job whose workflow input would be larger (only provider settings could make it so)."""
 
@@ -188,6 +192,9 @@ class Carried(Model):
     final_state: JobState | None = Field(None, description="The final state decided when finishing began.")
     final_message: str = ""
     final_sent: bool = Field(False, description="The final usage record and accounting are on chain.")
+    monitored: bool = Field(
+        False, description="The job is registered with its cluster's monitor (it waits for its signals)."
+    )
 
 
 class Recovery(Model):
@@ -375,6 +382,99 @@ class TransitionInput(Model):
     exit_code: int | None = None
     scheduler_job_id: str | None = None
     tenant: str = ""
+    watch: WatchRegistration | None = Field(
+        None,
+        description="Tell the cluster's monitor where the job now stands (a job watched by its cluster's monitor "
+        "reports each transition there too; a final state ends the watch).",
+    )
+
+
+# ---- the cluster monitor ----------------------------------------------------------------------------------------
+
+
+def monitor_workflow_id(task_queue: str) -> str:
+    """The monitor of the cluster whose task queue this is: ``cluster-monitor/<task queue>``.
+
+    A chain id (job) has no ``/`` and a node's workflow is ``node-<node>@<cluster>``, so it collides with neither;
+    one task queue per cluster makes it one monitor per cluster, whatever the number of workers serving it.
+    """
+    return f"cluster-monitor/{task_queue}"
+
+
+class MonitorSettings(Model):
+    """What a cluster's monitor needs: where it runs and how often it asks the scheduler."""
+
+    cluster_id: str
+    task_queue: str = Field(description="The cluster's task queue: the monitor and its queries run there.")
+    poll_interval_seconds: float = Field(gt=0)
+    vanished_grace_seconds: float = Field(
+        120.0,
+        ge=0,
+        description="How long a job may be missing from the scheduler before it is called vanished.",
+    )
+    max_history_events: int = Field(2000, ge=100, description="Continue as new beyond this many events.")
+    heartbeat_timeout_seconds: float = Field(
+        30.0, gt=0, description="The jobs' activity heartbeat timeout: a round's is at least this."
+    )
+
+
+class WatchEntry(Model):
+    """A watched job as its workflow last said it stands (the monitor tells it when the scheduler disagrees)."""
+
+    scheduler_job_id: str = Field(max_length=128)
+    state: JobState
+    start_time: datetime | None = None
+    version: int = Field(0, description="Set by the monitor: bumped by every registration of this job.")
+
+
+class WatchRegistration(Model):
+    """A job workflow tells its cluster's monitor where it stands (signal-with-start of the monitor)."""
+
+    workflow_id: str
+    monitor: MonitorSettings
+    entry: WatchEntry
+
+
+class WatchedSet(Model):
+    """The monitor's watch set (its ``watched`` query, read by its own poll activity; never in history)."""
+
+    entries: dict[str, WatchEntry] = Field(default_factory=dict)
+
+
+class MonitorInput(Model):
+    settings: MonitorSettings
+    watched: dict[str, WatchEntry] = Field(
+        default_factory=dict, description="Carried across continue-as-new: workflow id -> entry."
+    )
+    next_version: int = 1
+    rounds: int = 0
+
+
+class PollInput(Model):
+    cluster_id: str
+    vanished_grace_seconds: float
+
+
+class Ended(Model):
+    workflow_id: str
+    version: int
+
+
+class PollOutput(Model):
+    watched: int = 0
+    signalled: int = 0
+    ended: list[Ended] = Field(
+        default_factory=list, description="Jobs told of a final state or gone: the monitor forgets them."
+    )
+    error: str | None = Field(
+        None, max_length=300, description="The status query failed (not a state change)."
+    )
+
+
+class Observation(Model):
+    """The monitor's signal to a job workflow: the scheduler's view of the job changed."""
+
+    status: NativeStatus
 
 
 class CancelInput(Model):
@@ -401,6 +501,12 @@ class UsageInput(Model):
         description="Close with the last reading when the scheduler has no final accounting (deadline, vanished).",
     )
     max_attempts: int = 0
+    until_end: bool = Field(
+        False,
+        description="A period report that finds the job ended sends nothing (record_id None): the final record "
+        "closes that period; a period ends with its reading. Set by jobs that wait for their cluster monitor "
+        "(whose report can come before the monitor's news, and which space their reports themselves).",
+    )
     storage_gb: int = Field(
         0, ge=0, description="The storage the provider accepted for the job (billed for as long as it ran)."
     )
@@ -461,7 +567,9 @@ class RecoverOutput(Model):
 
 
 class UsageOutput(Model):
-    record_id: str | None = Field(None, description="None when nothing was sent (retry_on_failure off).")
+    record_id: str | None = Field(
+        None, description="None when nothing was sent (retry_on_failure off, or the job had already ended)."
+    )
     sequence: int | None = Field(
         None,
         description="The sequence of the record the report ended on: one past the one asked for when a final "
@@ -473,5 +581,6 @@ class UsageOutput(Model):
     refunded: str | None = None
 
 
+TransitionInput.model_rebuild()
 WatchInput.model_rebuild()
 WatchOutput.model_rebuild()

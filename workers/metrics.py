@@ -11,8 +11,9 @@ The project's counters are fed without touching the activities:
   usage records and accounting sent and failed, routing outcomes and violations by type;
 * **scheduler calls** (``instrument_adapter``): submit, status, cancel and usage calls of each adapter are timed
   into one histogram by cluster, operation and outcome;
-* **status queries** (``watch_batchers``): the ``queries`` and ``failures`` counts of each cluster's
-  ``StatusBatcher``, read at scrape time (invariant 4 in docs/architecture.md: one query per poll interval per worker);
+* **status queries** (``watch_batchers``): the ``queries`` and ``failures`` counts of the cluster monitor's rounds
+  that ran on this worker and of each cluster's ``StatusBatcher`` (jobs that still watch the old way), read at
+  scrape time (invariant 4 in docs/architecture.md: one query per poll interval per cluster, summed over workers);
 * **jobs by state** (``refresh_job_gauge``): counts of running job workflows per cluster and state from
   Temporal's visibility store, every ``metrics.jobs_refresh_interval`` (the provider's view: every worker
   reports the same numbers, so aggregate with ``max``);
@@ -357,7 +358,8 @@ class _BatcherCollector(Collector):
     def collect(self) -> Iterable[CounterMetricFamily]:
         queries = CounterMetricFamily(
             f"{PREFIX}_scheduler_queries",
-            "Batched status queries sent to each cluster's scheduler (one per poll interval per worker).",
+            "Batched status queries this worker sent to each cluster's scheduler (the cluster monitor's rounds it "
+            "ran, and the batches of jobs that still watch the old way).",
             labels=["cluster"],
         )
         failures = CounterMetricFamily(
@@ -367,9 +369,12 @@ class _BatcherCollector(Collector):
         )
         totals: dict[str, tuple[int, int]] = {}
         for source in self.sources:
-            for cluster, batcher in list(source.batchers.items()):
+            counts = [(c, b.queries, b.failures) for c, b in list(source.batchers.items())]
+            monitor = source.monitor  # the cluster monitor's rounds that ran on this worker
+            counts += [(c, monitor.queries[c], monitor.failures[c]) for c in list(monitor.queries)]
+            for cluster, queries_, failures_ in counts:
                 q, f = totals.get(cluster, (0, 0))
-                totals[cluster] = (q + batcher.queries, f + batcher.failures)
+                totals[cluster] = (q + queries_, f + failures_)
         for cluster, (q, f) in sorted(totals.items()):
             queries.add_metric([cluster], q)
             failures.add_metric([cluster], f)

@@ -370,6 +370,11 @@ def build_worker_deps(
         resolve_body=body_resolver(chain, audit),
     )
     deps = WorkerDeps(config, chain, audit, signer, adapters, activities, metrics=metrics)
+    from workflows.cluster_monitor import ClusterMonitorWorkflow
+
+    deps.extra_workflows.append(
+        ClusterMonitorWorkflow
+    )  # one per cluster task queue: its jobs' status queries
     if metrics is not None:
         metrics.watch_batchers(activities)
     if node_ledger is not None:

@@ -66,6 +66,8 @@ def job_activities(acts: JobActivities) -> list[Callable[..., Any]]:
         acts.report_usage,
         acts.recover_job,
         acts.park_job,
+        acts.monitor.poll_cluster,
+        acts.monitor.watch_with_monitor,
     ]
 
 

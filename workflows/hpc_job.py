@@ -34,6 +34,8 @@ with workflow.unsafe.imports_passed_through():
         JobResult,
         JobStatusView,
         JobWorkflowInput,
+        MonitorSettings,
+        Observation,
         ParkInput,
         RecoverInput,
         RecoverOutput,
@@ -46,8 +48,10 @@ with workflow.unsafe.imports_passed_through():
         TransitionInput,
         UsageInput,
         UsageOutput,
+        WatchEntry,
         WatchInput,
         WatchOutput,
+        WatchRegistration,
     )
     from virtengine_hpc.states import JobState, LifecycleEvent, lifecycle_event, transition_path
 
@@ -77,7 +81,13 @@ job continues as new at its next step and the new run starts on that build, so o
 PATCH_STARTED_BEFORE_FINAL = "started-before-final"
 """A job the scheduler started that a poll first saw ended (it exited at once: queued, then failed) goes through
 running on the way, so the ``started`` callback fires and its final usage record is sent, whatever the polls saw."""
+PATCH_CLUSTER_MONITOR = "cluster-monitor"
+"""Since 0.4: a submitted job waits for its cluster's monitor to signal a change (one status query per cluster and
+poll interval, whatever the number of workers) or for its own timer (report due, deadline, a safety-net check),
+instead of holding a heartbeating watch activity. Decided once per run: a run that began before watches the old way.
+"""
 CANCEL_BACKOFF_CAP = timedelta(minutes=5)
+_MIN_TIMER = timedelta(milliseconds=100)
 _DONE = object()
 """What ``_guarded`` returns for a step that ran to its end."""
 _NON_RETRYABLE = [
@@ -112,6 +122,13 @@ class HPCJobWorkflow:
         self.charged: str | None = None
         self.refunded: str | None = None
         self.v2 = False  # PATCH_NO_JOB_LEFT_BEHIND, decided when the run starts
+        self.by_monitor = False  # PATCH_CLUSTER_MONITOR, decided when the run starts
+        self.observed: NativeStatus | None = None  # the monitor's latest news, not yet applied
+        self._timer: asyncio.Future[None] | None = None
+        self._timer_at: datetime | None = None
+        # When this run last tried a period record, and last registered with its monitor or heard from it.
+        self._report_tried_at: datetime | None = None
+        self._contact_at: datetime | None = None
         self.recovered = False  # a recovery run has found where the job stands
         if inp.recovery is not None and inp.carried is None:
             rec = inp.recovery
@@ -170,6 +187,11 @@ class HPCJobWorkflow:
                 f"job {self.job.job_id} is not parked ({self.c.state.value})", type="NotParked"
             )
 
+    @workflow.signal(name="observe")
+    def observe(self, observation: Observation) -> None:
+        """The cluster's monitor saw the job's state change (only the newest news matters)."""
+        self.observed = observation.status
+
     def _request_cancel(self, request: CancelRequest) -> None:
         if not self.c.state.final and not self.c.cancel_requested:
             self.c = self.c.model_copy(update={"cancel_requested": True, "cancel_reason": request.reason})
@@ -179,6 +201,7 @@ class HPCJobWorkflow:
     @workflow.run
     async def run(self, inp: JobWorkflowInput) -> JobResult:
         self.v2 = workflow.patched(PATCH_NO_JOB_LEFT_BEHIND)
+        self.by_monitor = self.v2 and workflow.patched(PATCH_CLUSTER_MONITOR)
         if self.v2:
             await self._drive_to_the_end()
         else:
@@ -201,6 +224,8 @@ class HPCJobWorkflow:
             await self._route_and_submit()
         while not self.c.state.final:
             await self._watch_once()
+            if self.observed is not None:
+                continue  # news from the monitor first: a new run would not hear it again
             if not self.c.state.final and (self._history_is_long() or self._new_build_is_current()):
                 await workflow.wait_condition(workflow.all_handlers_finished)
                 # The next run starts on the deployment's current build (this one stays pinned to its own).
@@ -508,6 +533,9 @@ class HPCJobWorkflow:
             if not self.v2 or self.c.state.final or self.c.cancel_sent or self.c.cancel_retry_at is None:
                 return
             deadline = None  # its cancel waits out a backoff: watch the job until then
+        if self.by_monitor:
+            await self._wait_for_monitor(now, deadline)
+            return
         plan = self._watch_plan(now, deadline)
         if plan is None:
             await self._report_usage(final=False)
@@ -544,6 +572,84 @@ class HPCJobWorkflow:
             self._record_sent(result.usage)
         if result.changed:
             await self._apply(result.status)
+
+    async def _wait_for_monitor(self, now: datetime, deadline: datetime | None) -> None:
+        """Wait for the monitor's news or for this job's next timer; apply what it brought."""
+        if not self.c.monitored:
+            await self._register_with_monitor()  # a run that continued an older one, or a recovery run
+            now = workflow.now()
+        due = self._report_due()
+        if due is not None and now >= due:
+            self._report_tried_at = now
+            await self._report_usage(final=False)
+            return
+        contact = self._contact_at or now
+        check_at = contact + timedelta(seconds=self.settings.max_watch_seconds)
+        wake_at = min(t for t in (due, deadline, self._cancel_retry_at(), check_at) if t is not None)
+        await self._sleep_until(max(wake_at, now))
+        if self.observed is not None:
+            status, self.observed = self.observed, None
+            self._contact_at = workflow.now()
+            if not status.found or status.state != self.c.state or self._restarted(status):
+                try:
+                    await self._apply(status)
+                except BaseException:
+                    # The job did not get where the monitor said (a refused report, a cancel): the monitor must
+                    # hear where it stands, or it would not tell it again.
+                    self.c = self.c.model_copy(update={"monitored": False})
+                    raise
+            return
+        if workflow.now() >= check_at:
+            # Nothing heard for a long while: tell the monitor again where the job stands, so it signals any
+            # change it has seen and this job missed (a monitor that ended or was reset starts again).
+            await self._register_with_monitor()
+
+    def _cancel_retry_at(self) -> datetime | None:
+        if self.c.cancel_requested and not self.c.cancel_sent:
+            return self.c.cancel_retry_at
+        return None
+
+    async def _sleep_until(self, wake_at: datetime) -> None:
+        """Until ``wake_at``, news from the monitor or a cancel: one timer lives on across the monitor's signals,
+        so news costs no timer events."""
+        now = workflow.now()
+        if self._timer is None or self._timer.done() or self._timer_at is None or self._timer_at > wake_at:
+            if self._timer is not None and not self._timer.done():
+                self._timer.cancel()
+            delay = max(wake_at - now, _MIN_TIMER)
+            self._timer = asyncio.ensure_future(workflow.sleep(delay))
+            self._timer_at = now + delay
+        timer = self._timer
+        await workflow.wait_condition(lambda: timer.done() or self.observed is not None or self._cancel_due())
+
+    async def _register_with_monitor(self) -> None:
+        registration = self._registration(self.c.state, None)
+        assert registration is not None
+        await workflow.execute_activity(
+            "watch_with_monitor",
+            registration,
+            start_to_close_timeout=timedelta(seconds=60),
+            retry_policy=self._retry(unlimited=True),
+        )
+        self.c = self.c.model_copy(update={"monitored": True})
+        self._contact_at = workflow.now()
+
+    def _registration(self, state: JobState, began: datetime | None) -> WatchRegistration | None:
+        """What the cluster's monitor is told of this job in a new state (None: the job is not watched by it)."""
+        if not self.by_monitor or self.c.scheduler_job_id is None:
+            return None
+        start = began if state == JobState.RUNNING and began is not None else self.c.start_time
+        return WatchRegistration(
+            workflow_id=workflow.info().workflow_id,
+            monitor=MonitorSettings(
+                cluster_id=self.c.cluster_id,
+                task_queue=self.c.task_queue or workflow.info().task_queue,
+                poll_interval_seconds=self.settings.poll_interval_seconds,
+                vanished_grace_seconds=self.settings.vanished_grace_seconds,
+                heartbeat_timeout_seconds=self.settings.heartbeat_timeout_seconds,
+            ),
+            entry=WatchEntry(scheduler_job_id=self.c.scheduler_job_id, state=state, start_time=start),
+        )
 
     def _watch_plan(
         self, now: datetime, deadline: datetime | None
@@ -679,6 +785,7 @@ class HPCJobWorkflow:
         self, new: JobState, event: LifecycleEvent | None, message: str, *, began: datetime | None = None
     ) -> None:
         old = self.c.state
+        watch = self._registration(new, began)
         await workflow.execute_activity(
             "report_transition",
             TransitionInput(
@@ -691,11 +798,15 @@ class HPCJobWorkflow:
                 exit_code=self.c.exit_code if new.final else None,
                 scheduler_job_id=self.c.scheduler_job_id,
                 tenant=self.job.tenant,
+                watch=watch,
             ),
             start_to_close_timeout=timedelta(seconds=60),
             retry_policy=self._retry(unlimited=True),
         )
         self.c = self.c.model_copy(update={"state": new, "status_message": message})
+        if watch is not None:
+            self.c = self.c.model_copy(update={"monitored": not new.final})
+            self._contact_at = workflow.now()
         workflow.upsert_search_attributes([SA_STATE.value_set(new.value)])
         if self.v2:
             self._track_run_time(old, new, began)
@@ -728,22 +839,38 @@ class HPCJobWorkflow:
         self, *, final: bool, final_state: JobState | None = None, partial: bool = False
     ) -> None:
         unlimited = final or self.settings.retry_on_failure
+        request = self._usage_input(final=final, final_state=final_state, partial=partial)
         try:
-            out: UsageOutput = await workflow.execute_activity(
-                "report_usage",
-                self._usage_input(final=final, final_state=final_state, partial=partial),
-                task_queue=self.c.task_queue,
-                start_to_close_timeout=timedelta(seconds=300),
-                heartbeat_timeout=self._heartbeat_timeout(),
-                retry_policy=self._retry(unlimited=unlimited),
-                result_type=UsageOutput,
-            )
-        except ActivityError:
+            out: UsageOutput
+            if self.by_monitor and not final and self.c.task_queue is None:
+                # A period record is a reading and a chain call on this very worker: a local activity costs one
+                # history event instead of three and a round trip through the server.
+                out = await workflow.execute_local_activity(
+                    "report_usage",
+                    request,
+                    start_to_close_timeout=timedelta(seconds=300),
+                    retry_policy=self._retry(unlimited=unlimited),
+                    result_type=UsageOutput,
+                )
+            else:
+                out = await workflow.execute_activity(
+                    "report_usage",
+                    request,
+                    task_queue=self.c.task_queue,
+                    start_to_close_timeout=timedelta(seconds=300),
+                    heartbeat_timeout=self._heartbeat_timeout(),
+                    retry_policy=self._retry(unlimited=unlimited),
+                    result_type=UsageOutput,
+                )
+        except (ActivityError, ApplicationError):  # a local activity's failure arrives unwrapped
             if final and self.v2:
                 raise  # the job cannot settle without it: the finish path parks it
-            # retry_on_failure is off and the attempts ran out: the next record covers this period too.
-            self.c = self.c.model_copy(update={"last_report_at": workflow.now()})
-            return
+            if not self.by_monitor:
+                # retry_on_failure is off and the attempts ran out: the next record covers this period too.
+                self.c = self.c.model_copy(update={"last_report_at": workflow.now()})
+            return  # (waiting for the monitor: the next try comes an interval after this one)
+        if out.record_id is None and not final:
+            return  # the job has ended: its final record follows once the monitor says so
         self._record_sent(out)
         if final:
             if self.v2:
@@ -771,6 +898,7 @@ class HPCJobWorkflow:
             report_accounting=final,
             accept_partial=partial,
             max_attempts=0 if unlimited else self.settings.retry.max_retries + 1,
+            until_end=self.by_monitor,
         )
 
     def _record_sent(self, out: UsageOutput) -> None:
@@ -927,7 +1055,19 @@ class HPCJobWorkflow:
         if not self.settings.usage_enabled or self.c.state != JobState.RUNNING:
             return None
         last = self.c.last_report_at or self.c.started_at
-        return None if last is None else last + timedelta(seconds=self.settings.report_interval_seconds)
+        interval = timedelta(seconds=self.settings.report_interval_seconds)
+        if last is None or not self.by_monitor:
+            return None if last is None else last + interval
+        due = last + interval
+        start = self.c.started_at
+        if start is not None and last >= start:
+            # On the job's own schedule (its start + whole intervals): a reading taken a moment after its timer
+            # fired does not push every later report back by that moment.
+            due = start + (1 + (last - start) // interval) * interval
+        if self._report_tried_at is not None:
+            # A report that found the job ended sent nothing: the next try waits an interval.
+            due = max(due, self._report_tried_at + interval)
+        return due
 
     def _history_is_long(self) -> bool:
         info = workflow.info()

@@ -1,0 +1,209 @@
+"""Activities of the cluster monitor: one status query per cluster per interval, signals to the jobs that changed.
+
+``poll_cluster`` runs once per poll interval for the monitor of a cluster (``workflows/cluster_monitor.py``). It
+reads the watch set through the monitor's ``watched`` query, asks the scheduler about all of it with one
+``status_batch`` call, compares each answer with what the job's workflow was last told (kept in this process) or,
+when this process has told it nothing yet, with what the job registered, and signals ``observe`` to the jobs
+whose state changed. So a retried round or a monitor continued as new loses no transition: a job is told again
+at worst, and ignores a state it already has. A job missing from the scheduler is told only once it has been
+missing for the vanished-job grace.
+
+``register`` is how a job workflow reaches its monitor: signal-with-start, so the first job of a cluster starts
+the monitor and a job never waits for one that ended while idle.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import Counter
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from temporalio import activity
+from temporalio.client import Client
+from temporalio.exceptions import ApplicationError
+from temporalio.service import RPCError, RPCStatusCode
+
+from activities.attempts import heartbeating
+from activities.schedulers.base import NativeStatus, SchedulerAdapter
+from virtengine_hpc.errors import SchedulerError
+from virtengine_hpc.messages import (
+    MONITOR_WORKFLOW_NAME,
+    Ended,
+    MonitorInput,
+    Observation,
+    PollInput,
+    PollOutput,
+    WatchedSet,
+    WatchEntry,
+    WatchRegistration,
+    monitor_workflow_id,
+)
+from virtengine_hpc.states import JobState
+
+log = logging.getLogger(__name__)
+SIGNALS_IN_FLIGHT = 64
+"""Signals to job workflows sent at once when many jobs change in one round."""
+MAX_ENDED = 1000
+"""Ended jobs a round hands back to be forgotten (the rest follow in the next rounds): bounds its result."""
+
+
+@dataclass
+class _Told:
+    """What this process last told a job's workflow (or what the job registered, before that)."""
+
+    version: int
+    status: NativeStatus
+    missing_since: float | None = None
+
+
+@dataclass
+class _Monitor:
+    told: dict[str, _Told] = field(default_factory=dict)
+
+
+class MonitorActivities:
+    """The cluster monitor's I/O. ``queries`` and ``failures`` count status queries by cluster (metrics)."""
+
+    def __init__(self, adapters: Mapping[str, SchedulerAdapter]) -> None:
+        self.adapters = adapters
+        self._monitors: dict[str, _Monitor] = {}
+        self.queries: Counter[str] = Counter()
+        self.failures: Counter[str] = Counter()
+
+    @activity.defn(name="poll_cluster")
+    async def poll_cluster(self, request: PollInput) -> PollOutput:
+        """One round: the watch set from the monitor, one scheduler query, signals to the jobs that changed."""
+        monitor_id = activity.info().workflow_id or ""
+        adapter = self.adapters.get(request.cluster_id)
+        if adapter is None:
+            raise ApplicationError(
+                f"this worker has no scheduler adapter for cluster {request.cluster_id}", type="ConfigError"
+            )
+        client = activity.client()
+        watched: WatchedSet = await heartbeating(
+            client.get_workflow_handle(monitor_id).query("watched", result_type=WatchedSet)
+        )
+        monitor = self._monitors.setdefault(monitor_id, _Monitor())
+        entries = watched.entries
+        for gone in set(monitor.told) - set(entries):
+            del monitor.told[gone]
+        if not entries:
+            return PollOutput()
+        self.queries[request.cluster_id] += 1
+        try:
+            answer = await heartbeating(adapter.status_batch({e.scheduler_job_id for e in entries.values()}))
+        except SchedulerError as exc:
+            self.failures[request.cluster_id] += 1
+            log.warning("status query of cluster %s failed (not a state change): %s", request.cluster_id, exc)
+            return PollOutput(watched=len(entries), error=str(exc)[:300])
+        news = self._changes(monitor, entries, answer, request.vanished_grace_seconds)
+        await heartbeating(self._tell(client, monitor, news))
+        return PollOutput(watched=len(entries), signalled=len(news), ended=_ended(monitor, entries))
+
+    def _changes(
+        self,
+        monitor: _Monitor,
+        entries: Mapping[str, WatchEntry],
+        answer: Mapping[str, NativeStatus],
+        grace: float,
+    ) -> dict[str, NativeStatus]:
+        """The jobs whose workflow must hear of a change, with what to tell each."""
+        now = time.time()
+        news: dict[str, NativeStatus] = {}
+        for workflow_id, entry in entries.items():
+            told = monitor.told.get(workflow_id)
+            if told is None or told.version != entry.version:
+                known = NativeStatus(
+                    scheduler_job_id=entry.scheduler_job_id, state=entry.state, start_time=entry.start_time
+                )
+                told = _Told(entry.version, known, told.missing_since if told else None)
+                monitor.told[workflow_id] = told
+            status = answer.get(entry.scheduler_job_id) or NativeStatus(
+                scheduler_job_id=entry.scheduler_job_id, found=False, reason="not in the answer"
+            )
+            if not status.found:
+                told.missing_since = told.missing_since or now
+                if now - told.missing_since >= grace and told.status.found:
+                    news[workflow_id] = status
+                continue
+            told.missing_since = None
+            if _changed(told.status, status):
+                news[workflow_id] = status
+        return news
+
+    async def _tell(self, client: Client, monitor: _Monitor, news: Mapping[str, NativeStatus]) -> None:
+        """Signal each changed job (a job whose workflow has ended counts as told that it is gone)."""
+        room = asyncio.Semaphore(SIGNALS_IN_FLIGHT)
+
+        async def tell(workflow_id: str, status: NativeStatus) -> None:
+            async with room:
+                try:
+                    await client.get_workflow_handle(workflow_id).signal(
+                        "observe", Observation(status=status)
+                    )
+                except RPCError as exc:
+                    if exc.status != RPCStatusCode.NOT_FOUND:
+                        log.warning("could not tell job %s of its state (next round): %s", workflow_id, exc)
+                        return
+                    status = status.model_copy(update={"found": False})  # its workflow has ended
+            monitor.told[workflow_id].status = status
+
+        await asyncio.gather(*(tell(w, s) for w, s in news.items()))
+
+    @activity.defn(name="watch_with_monitor")
+    async def watch_with_monitor(self, registration: WatchRegistration) -> None:
+        """Register the job with its cluster's monitor (started if it is not running)."""
+        await register(activity.client(), registration)
+
+
+def _ended(monitor: _Monitor, entries: Mapping[str, WatchEntry]) -> list[Ended]:
+    """The jobs told of their end (or of being gone), for the monitor to forget; again each round until it has."""
+    ended: list[Ended] = []
+    for workflow_id, told in monitor.told.items():
+        if (not told.status.found or told.status.state.final) and len(ended) < MAX_ENDED:
+            ended.append(Ended(workflow_id=workflow_id, version=entries[workflow_id].version))
+    return ended
+
+
+def _changed(told: NativeStatus, status: NativeStatus) -> bool:
+    if status.state != told.state:
+        return True
+    # Requeued and started again between two polls: the same state, a new start.
+    return (
+        status.state == JobState.RUNNING
+        and told.start_time is not None
+        and status.start_time is not None
+        and status.start_time != told.start_time
+    )
+
+
+async def register(client: Client, registration: WatchRegistration) -> None:
+    """Signal-with-start of the cluster's monitor: one workflow per cluster task queue, started by the first job.
+
+    A job that ended only leaves the watch set: a monitor that is not running is not started for that, and a
+    monitor that cannot be told forgets the job anyway when its next signal to the ended workflow fails.
+    """
+    settings = registration.monitor
+    if registration.entry.state.final:
+        try:
+            await client.get_workflow_handle(monitor_workflow_id(settings.task_queue)).signal(
+                "watch", registration
+            )
+        except RPCError as exc:
+            if exc.status != RPCStatusCode.NOT_FOUND:
+                log.info("job %s ended; its monitor was not told (%s)", registration.workflow_id, exc)
+        return
+    await client.start_workflow(
+        MONITOR_WORKFLOW_NAME,
+        MonitorInput(settings=settings),
+        id=monitor_workflow_id(settings.task_queue),
+        task_queue=settings.task_queue,
+        start_signal="watch",
+        start_signal_args=[registration],
+    )
+
+
+__all__ = ["MonitorActivities", "register"]

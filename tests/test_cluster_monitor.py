@@ -1,0 +1,232 @@
+"""The cluster monitor: one status query per poll interval for all of a cluster's jobs, whatever the worker count.
+
+Two worker processes' worth of workers serve one cluster task queue, on a real Temporal dev server, with the
+in-memory scheduler. What an operator would notice: the scheduler is asked by one monitor, one query at a time,
+never by each job or each worker; a watched job holds no activity; jobs still go through every state and settle
+when the monitor is reset, restarted with no memory, or continued as new.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+from temporalio import activity
+from temporalio.client import Client, WorkflowExecutionStatus
+from temporalio.contrib.pydantic import pydantic_data_converter
+
+from activities.schedulers.base import NativeStatus
+from tests.conftest import make_config
+from tests.memory_adapter import MemoryAdapter, Script
+from tests.pipeline_harness import Pipeline, setup_ledger
+from virtengine_hpc.config import Secrets
+from virtengine_hpc.messages import (
+    MONITOR_WORKFLOW_NAME,
+    CancelRequest,
+    JobRef,
+    JobWorkflowInput,
+    MonitorInput,
+    MonitorSettings,
+    monitor_workflow_id,
+)
+from virtengine_hpc.models import JobSpec, spec_digest
+from virtengine_hpc.signing import Signer
+from virtengine_hpc.states import JobState
+from workers.poller import ChainPoller
+from workers.wiring import build_worker_deps, job_settings
+from workers.worker import make_worker
+from workflows.hpc_job import initial_search_attributes
+
+Q, R, C = JobState.QUEUED, JobState.RUNNING, JobState.COMPLETED
+
+
+@dataclass
+class CountingAdapter(MemoryAdapter):
+    """The in-memory scheduler, noting who asked each status query and how many were in flight at once."""
+
+    askers: list[tuple[str, str]] = field(default_factory=list)
+    asked: list[frozenset[str]] = field(default_factory=list)
+    in_flight: int = 0
+    most_in_flight: int = 0
+
+    async def status_batch(self, scheduler_job_ids: Iterable[str]) -> dict[str, NativeStatus]:
+        ids = frozenset(scheduler_job_ids)
+        info = activity.info()
+        self.askers.append((info.activity_type, info.workflow_id or ""))
+        self.asked.append(ids)
+        self.in_flight += 1
+        self.most_in_flight = max(self.most_in_flight, self.in_flight)
+        try:
+            await asyncio.sleep(0.05)  # a query takes a moment: overlapping askers would show
+            return await super().status_batch(ids)
+        finally:
+            self.in_flight -= 1
+
+
+@pytest.fixture
+async def two_workers(
+    client: Client, tmp_path: Path, key_path: Path, task_queue: str
+) -> AsyncIterator[Pipeline]:
+    """Two workers (as two worker processes would run them) on one cluster's task queue, one scheduler."""
+    config = make_config(tmp_path, hpc={"cluster_id": f"c-{uuid.uuid4().hex[:8]}"})
+    adapter = CountingAdapter()
+    ledger = setup_ledger(config, Signer.from_file(key_path))
+    secrets = Secrets(provider_signing_key_path=key_path)
+    cluster = {config.hpc.cluster_id: adapter}
+    deps = [build_worker_deps(config, secrets, chain=ledger, adapters=cluster) for _ in range(2)]
+    poller = ChainPoller(
+        client, ledger, config, deps[0].audit, task_queue=task_queue, settings=job_settings(config)
+    )
+    # A client each, as two worker processes have (one client cannot run two workers of one task queue).
+    other = await Client.connect(
+        client.service_client.config.target_host,
+        namespace=client.namespace,
+        data_converter=pydantic_data_converter,
+    )
+    workers = [make_worker(c, d, queue=task_queue) for c, d in zip((client, other), deps, strict=True)]
+    async with workers[0], workers[1]:
+        yield Pipeline(config, ledger, client, deps[0], poller, task_queue, adapter)
+    for d in deps:
+        await d.close()
+
+
+def counting(p: Pipeline) -> CountingAdapter:
+    assert isinstance(p.adapter, CountingAdapter)
+    return p.adapter
+
+
+async def test_one_monitor_asks_the_scheduler_for_every_job_one_query_at_a_time(
+    two_workers: Pipeline,
+) -> None:
+    p = two_workers
+    counting(p).default = Script([(0, Q), (1.0, R), (4.0, C)], exit_code=0)
+    job_ids = [p.submit() for _ in range(8)]
+    results = await p.run_until_done(job_ids)
+    assert {r.state for r in results.values()} == {C}
+    for job_id in job_ids:
+        assert p.states_of(job_id) == [Q, R, C]
+    adapter = counting(p)
+    monitor = monitor_workflow_id(p.task_queue)
+    assert set(adapter.askers) == {("poll_cluster", monitor)}, "no job and no worker asks on its own"
+    assert adapter.most_in_flight == 1
+    # While all eight ran, each query asked about all of them at once.
+    assert any(len(ids) == 8 for ids in adapter.asked)
+
+
+async def test_a_watched_job_holds_no_activity_and_hears_its_start_by_signal(two_workers: Pipeline) -> None:
+    p = two_workers
+    counting(p).default = Script([(0, Q), (2.0, R), (600, C)])
+    job_id = p.submit()
+    await p.wait_started(job_id)
+    await _wait_for_state(p, job_id, Q)
+    desc = await p.handle(job_id).describe()
+    assert list(desc.raw_description.pending_activities) == [], (
+        "a queued job waits on a signal, not an activity"
+    )
+    await _wait_for_state(p, job_id, R)
+    events = [e async for e in p.handle(job_id).fetch_history_events()]
+    signals = [
+        e.workflow_execution_signaled_event_attributes.signal_name
+        for e in events
+        if e.HasField("workflow_execution_signaled_event_attributes")
+    ]
+    assert signals == ["observe"]
+    await p.handle(job_id).cancel()
+    await p.handle(job_id).result()
+
+
+async def test_a_monitor_that_forgot_everything_still_gets_every_job_to_its_end(
+    two_workers: Pipeline,
+) -> None:
+    """The monitor's round is retried on a worker that knows nothing (its memory lost): jobs are told again at
+    worst, and none misses a transition."""
+    p = two_workers
+    counting(p).default = Script([(0, Q), (1.0, R), (3.0, C)], exit_code=0)
+    job_ids = [p.submit() for _ in range(4)]
+    for job_id in job_ids:
+        await p.wait_started(job_id)
+    await _wait_for_state(p, job_ids[0], R)
+    p.deps.activities.monitor._monitors.clear()
+    results = await p.run_until_done(job_ids)
+    assert {r.state for r in results.values()} == {C}
+    for job_id in job_ids:
+        assert p.states_of(job_id) == [Q, R, C]
+
+
+async def test_a_job_whose_monitor_was_terminated_reaches_it_again(two_workers: Pipeline) -> None:
+    """An operator terminates the monitor: the job's safety-net check registers it again, which starts a new
+    monitor, and the job ends as the scheduler says."""
+    p = two_workers
+    counting(p).default = Script([(0, Q), (1.0, R), (3.0, C)], exit_code=0)
+    job_id = p.submit()
+    spec = JobSpec.model_validate(p.ledger.job(job_id).raw_spec)  # type: ignore[union-attr]
+    settings = job_settings(p.config).model_copy(update={"max_watch_seconds": 2.0})
+    inp = JobWorkflowInput(
+        job=JobRef.of(spec, spec_digest(p.ledger.job(job_id).raw_spec)),  # type: ignore[union-attr]
+        cluster_id=p.cluster_id,
+        provider=spec.provider,
+        settings=settings,
+    )
+    handle = await p.client.start_workflow(
+        "HPCJobWorkflow",
+        inp,
+        id=job_id,
+        task_queue=p.task_queue,
+        search_attributes=initial_search_attributes(inp),
+    )
+    await _wait_for_state(p, job_id, Q)
+    monitor = p.client.get_workflow_handle(monitor_workflow_id(p.task_queue))
+    first_run = (await monitor.describe()).run_id
+    await monitor.terminate("operator")
+    result = await p.handle(job_id).result()
+    assert result.state == C
+    assert p.states_of(job_id) == [Q, R, C]
+    assert (await monitor.describe()).run_id != first_run
+    assert handle.id == job_id
+
+
+async def test_jobs_go_on_across_the_monitors_continue_as_new(two_workers: Pipeline) -> None:
+    """The monitor's history fills up while jobs run: its next run watches them on, and tells them when they end."""
+    p = two_workers
+    counting(p).default = Script([(0, Q), (1.0, R), (600, C)])
+    monitor_id = monitor_workflow_id(p.task_queue)
+    settings = MonitorSettings(
+        cluster_id=p.cluster_id,
+        task_queue=p.task_queue,
+        poll_interval_seconds=0.3,
+        vanished_grace_seconds=2.0,
+        max_history_events=100,
+    )
+    monitor = await p.client.start_workflow(
+        MONITOR_WORKFLOW_NAME, MonitorInput(settings=settings), id=monitor_id, task_queue=p.task_queue
+    )
+    job_ids = [p.submit() for _ in range(3)]
+    for job_id in job_ids:
+        await p.wait_started(job_id)
+        await _wait_for_state(p, job_id, R)
+    first = p.client.get_workflow_handle(monitor_id, run_id=monitor.first_execution_run_id)
+    async with asyncio.timeout(60):
+        while (await first.describe()).status != WorkflowExecutionStatus.CONTINUED_AS_NEW:
+            await asyncio.sleep(0.5)
+    for job_id in job_ids:
+        await p.handle(job_id).signal("cancel", CancelRequest(reason="the tenant changed their mind"))
+    results = await p.run_until_done(job_ids)
+    assert {r.state for r in results.values()} == {JobState.CANCELLED}
+    for job_id in job_ids:
+        assert p.states_of(job_id) == [Q, R, JobState.CANCELLED]
+    current = await p.client.get_workflow_handle(monitor_id).describe()
+    assert current.run_id != monitor.first_execution_run_id
+
+
+async def _wait_for_state(p: Pipeline, job_id: str, state: JobState, timeout: float = 30) -> None:
+    async with asyncio.timeout(timeout):
+        while True:
+            await p.poller.poll_once()
+            job = p.ledger.job(job_id)
+            if job is not None and job.state == state:
+                return
+            await asyncio.sleep(0.2)
