@@ -151,7 +151,7 @@ async def test_reconcile_agrees_with_sacct_for_jobs_of_every_outcome(
 
     code, out = await cli("usage", "reconcile", "--since", "1h")
     assert code == 0 and out.rstrip().endswith(
-        "4 jobs: 4 agree, 0 differ, 0 cannot be reconciled, 0 still running"
+        "5 jobs: 5 agree, 0 differ, 0 cannot be reconciled, 0 still running"
     ), out
 
     # A record changed behind the provider's back: five seconds more than Slurm clocked.
@@ -168,6 +168,24 @@ async def test_reconcile_agrees_with_sacct_for_jobs_of_every_outcome(
     assert out.startswith(f"DIFF  job {jobs['completed']}") and "differs in wall_clock_seconds" in out
     wall = next(line.split() for line in out.splitlines() if line.strip().startswith("wall_clock_seconds"))
     assert wall[3:] == ["5", "1", "DIFF"]
+
+    # A record taken out of a job's sequence is a finding, and so is a job Slurm ran with no record at all
+    # (--since lists the jobs a scheduler held, not only those with records).
+    with sqlite3.connect(config.ledger_path) as db:
+        second = pipe.ledger.usage_records(jobs["timeout"])[1]
+        db.execute("DELETE FROM usage_records WHERE record_id = ?", (second.record_id,))
+        db.execute("DELETE FROM usage_records WHERE job_id = ?", (jobs["failed"],))
+    code, out = await cli("usage", "reconcile", "--job", jobs["timeout"])
+    assert code == 1 and out.startswith(f"DIFF  job {jobs['timeout']}") and "sequence gap: missing 2" in out
+    code, out = await cli("usage", "reconcile", "--since", "1h")
+    failed_id = results[jobs["failed"]].scheduler_job_id or ""
+    ran = sacct_job(env, failed_id)["ElapsedRaw"]  # 0 s, or 1 s when the second ticked over
+    assert code == 1
+    assert (
+        f"DIFF  job {jobs['failed']}: {failed_id} on {config.hpc.cluster_id} ran ({ran} s) but the chain holds "
+        "no usage record of it"
+    ) in out, out
+    assert out.rstrip().endswith("5 jobs: 2 agree, 3 differ, 0 cannot be reconciled, 0 still running"), out
     print("\n".join(shown))  # the reports, for a reader of the test's output
 
 

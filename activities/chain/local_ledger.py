@@ -1316,19 +1316,23 @@ class LocalLedger:
             ).fetchall()
         return [(r["record_id"], r["data"]) for r in rows]
 
-    def jobs_with_usage_between(self, since: datetime, until: datetime) -> list[str]:
-        """Jobs with a usage record whose period overlaps ``[since, until]`` (to the second), oldest first."""
+    def jobs_between(self, since: datetime, until: datetime) -> list[str]:
+        """Jobs to account for in ``[since, until]`` (to the second), oldest first: every job that reached a
+        scheduler (it has a scheduler job id) and was on chain then (created before the end, last changed after the
+        start), and every job with a usage record whose period overlaps it."""
 
         def second(moment: datetime) -> str:
             return moment.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%S")
 
+        start, end = second(since), second(until)
         with self._tx(write=False) as db:
             rows = db.execute(
-                "SELECT job_id, MIN(received_at) AS first FROM usage_records "
+                "SELECT job_id FROM jobs WHERE (scheduler_job_id IS NOT NULL "
+                "AND substr(created_at, 1, 19) <= ? AND substr(updated_at, 1, 19) >= ?) "
+                "OR job_id IN (SELECT job_id FROM usage_records "
                 "WHERE substr(json_extract(data, '$.period_end'), 1, 19) >= ? "
-                "AND substr(json_extract(data, '$.period_start'), 1, 19) <= ? "
-                "GROUP BY job_id ORDER BY first, job_id",
-                (second(since), second(until)),
+                "AND substr(json_extract(data, '$.period_start'), 1, 19) <= ?) ORDER BY seq",
+                (end, start, start, end),
             ).fetchall()
         return [r["job_id"] for r in rows]
 

@@ -77,7 +77,9 @@ def register(subparsers: Any) -> None:
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument("--job", metavar="ID", help="one job")
     source.add_argument(
-        "--since", metavar="TIME", help="every job with records in a period ending at or after TIME"
+        "--since",
+        metavar="TIME",
+        help="every job a scheduler held, or with records, at or after TIME",
     )
     p.add_argument(
         "--until", metavar="TIME", help="with --since: and starting at or before TIME (default now)"
@@ -361,7 +363,7 @@ def cmd_reconcile(args: argparse.Namespace) -> int:
         job_ids = [args.job]
     else:
         until = _when(args.until) if args.until else datetime.now(UTC)
-        job_ids = ledger.jobs_with_usage_between(_when(args.since), until)
+        job_ids = ledger.jobs_between(_when(args.since), until)
     return asyncio.run(_reconcile_jobs(config, ledger, job_ids))
 
 
@@ -432,11 +434,13 @@ async def _reconcile_job(
     compared = tuple(BASIS) if formats == [2] else ("wall_clock_seconds",)
     checks = reconcile(ours, theirs, metrics=compared)
     differ = [c.metric for c in checks if not c.ok]
+    gaps = _sequence_problems(records)
     summary = (
         f"{where}, {len(records)} records (format {', '.join(map(str, formats))}), "
         f"{'differs in ' + ', '.join(differ) if differ else 'every metric within tolerance'}"
+        f"{'; ' + '; '.join(gaps) if gaps else ''}"
     )
-    return _Reconciled("DIFF" if differ else "OK", summary, checks)
+    return _Reconciled("DIFF" if differ or gaps else "OK", summary, checks)
 
 
 def _unrecorded(where: str, accounting: Accounting) -> _Reconciled:
