@@ -51,7 +51,7 @@ from virtengine_hpc.messages import (
     WatchOutput,
     WatchRegistration,
 )
-from virtengine_hpc.metering import Reading, basis_of, meter, period_end
+from virtengine_hpc.metering import Reading, basis_of, meter, period_end, period_metrics
 from virtengine_hpc.models import (
     Cluster,
     JobSpec,
@@ -786,8 +786,10 @@ class JobActivities:
             raise SchedulerError("final accounting not available yet", transient=True)
         # Every allocation is priced as the provider accepted it, storage included, whatever the scheduler reports.
         metered = meter(accounting.reading if accounting else Reading(), await self._requested(request))
-        cumulative = metered.metrics if accounting is not None else request.previous_cumulative
-        metrics = diff_metrics(cumulative, request.previous_cumulative)
+        previous = request.previous_cumulative
+        metrics = (
+            period_metrics(metered, previous) if accounting is not None else diff_metrics(previous, previous)
+        )
         taken = accounting.reading.taken_at if accounting is not None else None
         if accounting is not None and accounting.end_time is not None and request.is_final:
             taken = accounting.end_time

@@ -20,15 +20,29 @@ from typing import Any
 import pytest
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from temporalio.testing import ActivityEnvironment
 
 from activities.chain.client import StatusReport
 from activities.chain.local_ledger import LocalLedger
+from activities.schedulers.base import SubmitRequest
+from tests.conftest import make_config
+from tests.memory_adapter import MemoryAdapter, Script
+from tests.pipeline_harness import OFFERING, setup_ledger
 from virtengine_hpc.cli import main as cli_main
-from virtengine_hpc.metering import Reading, meter
-from virtengine_hpc.models import Allocation, Resources, UsageMetrics, UsageRecord
+from virtengine_hpc.config import Secrets
+from virtengine_hpc.messages import UsageInput
+from virtengine_hpc.metering import PRICED, Reading, held, meter
+from virtengine_hpc.models import Allocation, JobSpec, Resources, UsageMetrics, UsageRecord
 from virtengine_hpc.signing import Signer, public_key_b64
 from virtengine_hpc.states import JobState
-from virtengine_hpc.usage import record_id, sign_record, signing_payload, verify_record
+from virtengine_hpc.usage import (
+    record_id,
+    sign_record,
+    signing_payload,
+    sum_metrics,
+    verify_record,
+)
+from workers.wiring import build_worker_deps
 
 REPO = Path(__file__).resolve().parents[1]
 DOC = REPO / "docs" / "usage-records.md"
@@ -486,3 +500,113 @@ async def test_usage_verify_refuses_a_record_claiming_more_run_time_than_its_per
         and "claims 300.5 s of run time in a 300.000123 s period" in out
     )
     assert out.rstrip().endswith("3 records: 2 ok, 1 failed")
+
+
+# ---- a job that runs across the upgrade to format 2 --------------------------------------------------------
+
+
+async def test_a_job_whose_first_records_are_format_1_is_billed_once_for_each_period(
+    tmp_path: Path, key_path: Path
+) -> None:
+    """A job ran 600 s under the earlier release, which signed two format-1 records (its CPU time used as its
+    core-seconds, GiB-seconds); the upgraded worker reports the rest in format 2. The format-2 records price only
+    their own periods (2 cores, 1 GiB held for their run time), and all four add up to the accounting settled."""
+    config = make_config(tmp_path)
+    signer = Signer.from_file(key_path)
+    ledger = setup_ledger(config, signer)
+    now = [0.0]  # the scheduler's clock, in seconds
+    adapter = MemoryAdapter(
+        default=Script(
+            [(0, JobState.QUEUED), (1, JobState.RUNNING), (1000, JobState.COMPLETED)], exit_code=0
+        ),
+        clock=lambda: now[0],
+    )
+    deps = build_worker_deps(
+        config,
+        Secrets(provider_signing_key_path=key_path),
+        chain=ledger,
+        adapters={config.hpc.cluster_id: adapter},
+    )
+    raw = {
+        "job_id": "JOB-upgrade",
+        "tenant": TENANT,
+        "provider": config.provider.address,
+        "offering_id": OFFERING,
+        "script": "x",
+        "resources": {"tasks_per_node": 2, "memory_mb_per_node": 1024},
+    }
+    job = JobSpec.model_validate(raw)
+    ledger.submit_job(raw)
+    await ledger.report_status(StatusReport(job_id=job.job_id, state=JobState.RUNNING))
+    scheduler_job_id = (
+        await adapter.submit(SubmitRequest(workflow_id=job.job_id, job=job, body="x"))
+    ).scheduler_job_id
+    start = datetime.now(UTC) - timedelta(seconds=900)
+    earlier = []
+    for seq in (1, 2):
+        unsigned = UsageRecord(
+            record_id=record_id(config.hpc.cluster_id, job.job_id, seq),
+            job_id=job.job_id,
+            cluster_id=config.hpc.cluster_id,
+            scheduler_job_id=scheduler_job_id,
+            provider=job.provider,
+            tenant=job.tenant,
+            sequence=seq,
+            period_start=start + timedelta(seconds=300 * (seq - 1)),
+            period_end=start + timedelta(seconds=300 * seq),
+            job_state=JobState.RUNNING,
+            is_final=False,
+            metrics=UsageMetrics(
+                wall_clock_seconds=Decimal(300),
+                cpu_core_seconds=Decimal(10),  # CPU time used, as format 1 priced it
+                memory_gb_seconds=Decimal(300),  # 1 GiB x 300 s in GiB-seconds
+                node_hours=Decimal("0.083333"),
+            ),
+            created_at=start + timedelta(seconds=300 * seq),
+            key_id="",
+        )
+        earlier.append(sign_record(unsigned, signer))
+    assert (await ledger.submit_usage(earlier)).accepted == [r.record_id for r in earlier]
+
+    def report(sequence: int, previous: list[UsageRecord], *, final: bool) -> UsageInput:
+        return UsageInput(
+            job_id=job.job_id,
+            tenant=job.tenant,
+            provider=job.provider,
+            cluster_id=config.hpc.cluster_id,
+            scheduler_job_id=scheduler_job_id,
+            sequence=sequence,
+            period_start=previous[-1].period_end,
+            previous_cumulative=sum_metrics([r.metrics for r in previous]),
+            job_state=JobState.COMPLETED if final else JobState.RUNNING,
+            is_final=final,
+            report_accounting=final,
+        )
+
+    try:
+        now[0] = 901.0  # 900 s run: 300 s since the last format-1 record
+        await ActivityEnvironment().run(deps.activities.report_usage, report(3, earlier, final=False))
+        now[0] = 1001.0  # it completed at 1000: 999 s run in all
+        records = ledger.usage_records(job.job_id)
+        out = await ActivityEnvironment().run(deps.activities.report_usage, report(4, records, final=True))
+    finally:
+        await deps.close()
+
+    records = ledger.usage_records(job.job_id)
+    assert [r.version for r in records] == [1, 1, 2, 2] and records[-1].is_final
+    assert [r.metrics.wall_clock_seconds for r in records] == [300, 300, 300, 99]
+    for record in records[2:]:
+        assert record.allocation is not None and record.allocation.cpus == 2
+        exact = held(record.allocation, record.metrics.wall_clock_seconds)
+        for name in PRICED:
+            assert abs(getattr(record.metrics, name) - exact[name]) <= Decimal("0.000001"), (
+                name,
+                record.metrics,
+            )
+    assert records[2].metrics.cpu_core_seconds == 600, (
+        "2 cores x 300 s, not the job's 1800 less the 20 billed"
+    )
+    total = sum_metrics([r.metrics for r in records])
+    assert total.wall_clock_seconds == 999
+    assert total.cpu_core_seconds == 10 + 10 + 2 * 399
+    assert out.cumulative == total and ledger.settlement(job.job_id) is not None

@@ -23,10 +23,19 @@ from decimal import ROUND_CEILING, Decimal
 from pydantic import Field
 
 from virtengine_hpc.models import Allocation, Basis, Model, Resources, UsageMetrics
-from virtengine_hpc.usage import QUANTUM, normalize_metrics
+from virtengine_hpc.usage import QUANTUM, diff_metrics, normalize_metrics, quantize
 
 GB = Decimal(10**9)
 HOUR = Decimal(3600)
+
+#: The priced metrics, each an allocation held for the run time: ``allocation.<field> x seconds / divisor``.
+PRICED: dict[str, tuple[str, Decimal]] = {
+    "node_hours": ("nodes", HOUR),
+    "cpu_core_seconds": ("cpus", Decimal(1)),
+    "gpu_seconds": ("gpus", Decimal(1)),
+    "memory_gb_seconds": ("memory_bytes", GB),
+    "storage_gb_hours": ("storage_gb", HOUR),
+}
 
 #: What each metric of a record is: the scheduler's measurement, or the allocation times the run time.
 BASIS: dict[str, Basis] = {
@@ -103,11 +112,7 @@ def meter(reading: Reading, requested: Resources) -> Metered:
     wall = reading.wall_clock_seconds
     metrics = UsageMetrics(
         wall_clock_seconds=wall,
-        node_hours=allocation.nodes * wall / HOUR,
-        cpu_core_seconds=allocation.cpus * wall,
-        gpu_seconds=allocation.gpus * wall,
-        memory_gb_seconds=allocation.memory_bytes * wall / GB,
-        storage_gb_hours=allocation.storage_gb * wall / HOUR,
+        **held(allocation, wall),
         cpu_time_seconds=reading.cpu_time_seconds,
         memory_used_gb_seconds=(
             None if reading.memory_byte_seconds is None else reading.memory_byte_seconds / GB
@@ -120,6 +125,28 @@ def meter(reading: Reading, requested: Resources) -> Metered:
         disk_bytes_written=reading.disk_bytes_written,
     )
     return Metered(metrics=normalize_metrics(metrics), allocation=allocation, basis=basis_of(metrics))
+
+
+def held(allocation: Allocation, seconds: Decimal) -> dict[str, Decimal]:
+    """The priced metrics of ``allocation`` held for ``seconds``, exact (not rounded)."""
+    return {name: getattr(allocation, field) * seconds / divisor for name, (field, divisor) in PRICED.items()}
+
+
+def period_metrics(now: Metered, previous: UsageMetrics) -> UsageMetrics:
+    """A record's metrics: the cumulative reading ``now`` less what the job's earlier records add up to.
+
+    The earlier records' priced figures are taken as ``now``'s allocation held for the run time they cover, not
+    as they were signed: records of format 1 priced CPU and memory on other bases (CPU time used, GiB-seconds),
+    and an allocation can change between readings; either way the difference of the priced figures would bill
+    earlier periods again, or not bill this one. So every record prices its allocation held for its own run time
+    (within a micro-unit: cumulative figures are rounded), and the records of a job, format 1 or 2, add up to
+    its final accounting, the sum of what each signed. A measured figure the earlier records do not carry
+    (format 1 had no CPU time) is reported in full by the first record that does.
+    """
+    rebased = {
+        name: quantize(value) for name, value in held(now.allocation, previous.wall_clock_seconds).items()
+    }
+    return diff_metrics(now.metrics, previous.model_copy(update=rebased))
 
 
 def basis_of(metrics: UsageMetrics) -> dict[str, Basis]:
@@ -189,14 +216,7 @@ class MetricCheck(Model):
 
 def one_second_of(metric: str, allocation: Allocation) -> Decimal:
     """What one second of run time adds to a priced metric: the scheduler's clocks tick in whole seconds."""
-    per_second = {
-        "wall_clock_seconds": Decimal(1),
-        "node_hours": allocation.nodes / HOUR,
-        "cpu_core_seconds": Decimal(allocation.cpus),
-        "gpu_seconds": Decimal(allocation.gpus),
-        "memory_gb_seconds": allocation.memory_bytes / GB,
-        "storage_gb_hours": allocation.storage_gb / HOUR,
-    }
+    per_second = {"wall_clock_seconds": Decimal(1), **held(allocation, Decimal(1))}
     return per_second.get(metric, _MEASURED_FLOOR.get(metric, Decimal(0)))
 
 
