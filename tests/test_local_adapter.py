@@ -23,6 +23,7 @@ from typing import Any
 import pydantic
 import pytest
 
+from activities.schedulers import local as local_module
 from activities.schedulers import local_supervisor as sup
 from activities.schedulers.base import NativeStatus, SubmitRequest, registered
 from activities.schedulers.local import JOB_PATH, LocalAdapter, scheduler_job_id
@@ -635,6 +636,7 @@ async def test_memory_is_measured_in_gb_of_ten_to_the_nine_bytes(
     ("resources", "why"),
     [
         (Resources(nodes=2), "2 nodes (it runs every job on this one host)"),
+        (Resources(tasks_per_node=2, cpus_per_task=1024), "2048 cores per node (this host has"),
         (Resources(gpus_per_node=1), "1 GPUs per node (this host has 0)"),
         (Resources(memory_mb_per_node=64 * 1024 * 1024), "67108864 MiB of memory per node (this host has"),
     ],
@@ -811,10 +813,16 @@ async def test_job_environment_is_clean_and_describes_the_allocation(
     make_adapter: Callable[..., LocalAdapter], shared: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("SLURM_JWT_TOKEN", "worker-secret-token")
+    monkeypatch.setattr(local_module, "host_cpus", lambda: 6)  # a 6-core host, whatever this one has
     adapter = make_adapter()
     workdir = shared / "workdir"
     workdir.mkdir()
+    # 3 tasks of 2 cores fit 6 cores; on a 4-core host the same job is refused, never run on 4 and billed for 6.
     resources = Resources(tasks_per_node=3, cpus_per_task=2)
+    monkeypatch.setattr(local_module, "host_cpus", lambda: 4)
+    with pytest.raises(SubmissionRejected, match="cannot provide 6 cores per node \\(this host has 4\\)"):
+        await adapter.submit(request("wf-env", "true\n", resources=resources))
+    monkeypatch.setattr(local_module, "host_cpus", lambda: 6)
     req = request(
         "wf-env",
         "pwd\nenv\n",

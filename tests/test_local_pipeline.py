@@ -55,6 +55,10 @@ async def test_every_outcome_on_the_local_executor(pipe: Pipeline, key_path: Pat
         "walltime": pipe.submit(script="sleep 120\n"),
         "cancelled": pipe.submit(script="sleep 120\n"),
         "rejected": pipe.submit(decide=False),
+        # More cores than any host has: refused at submission, never run on fewer and billed for all of them.
+        "too_big": pipe.submit(
+            resources={"cpus_per_task": 1024}, walltime_seconds=60, max_price="1000", script="touch ran\n"
+        ),
     }
     await pipe.wait_started(jobs["cancelled"])
     for _ in range(100):
@@ -73,7 +77,15 @@ async def test_every_outcome_on_the_local_executor(pipe: Pipeline, key_path: Pat
         "walltime": JobState.TIMEOUT,
         "cancelled": JobState.CANCELLED,
         "rejected": JobState.FAILED,
+        "too_big": JobState.FAILED,
     }
+    assert (
+        "the local executor cannot provide 1024 cores per node (this host has"
+        in results[jobs["too_big"]].message
+    )
+    assert pipe.audit_events("job_submission_failed", jobs["too_big"]) and not pipe.ledger.usage_records(
+        jobs["too_big"]
+    )
     assert pipe.ledger.job(jobs["failure"]).exit_code == 3  # type: ignore[union-attr]
     assert "walltime" in results[jobs["walltime"]].message
     assert "routing_rejected" in results[jobs["rejected"]].message
@@ -97,8 +109,9 @@ async def test_every_outcome_on_the_local_executor(pipe: Pipeline, key_path: Pat
     used = burned.cpu_time_seconds or Decimal(0)
     assert abs(used - own) <= max(Decimal("0.1"), own * Decimal("0.15")), (burned, own)
     assert burned.wall_clock_seconds >= own * Decimal("0.9")
-    refund = pipe.ledger.settlement(jobs["rejected"])
-    assert refund is not None and refund.charged == 0 and refund.refunded == refund.escrow
+    for label in ("rejected", "too_big"):
+        refund = pipe.ledger.settlement(jobs[label])
+        assert refund is not None and refund.charged == 0 and refund.refunded == refund.escrow
     assert pipe.ledger.balance(TENANT) > Decimal("100000") - Decimal("500")
 
 

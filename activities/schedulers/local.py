@@ -135,6 +135,14 @@ def host_gpus() -> int:
     return 0
 
 
+def host_cpus() -> int:
+    """CPU cores this host lets the worker's processes use (its affinity mask; the jobs inherit it)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
 def host_memory_bytes() -> int | None:
     """Physical memory of this host, if the system says."""
     try:
@@ -236,13 +244,16 @@ class LocalAdapter(SchedulerAdapter):
     def cannot_provide(self, resources: Resources) -> str | None:
         """Why this host cannot give a job ``resources`` (``None`` if it can).
 
-        Every job runs on this one host: a job asking for more nodes than one, more GPUs than the host has or
-        more memory than it has would run on a fraction of what it bought, and be billed for the rest. It is
-        refused instead, before anything runs, as a scheduler refuses a job no node of it can hold.
+        Every job runs on this one host: a job asking for more nodes than one, more cores, GPUs or memory than
+        the host has would run on a fraction of what it bought, and be billed for the rest. It is refused instead,
+        before anything runs, as a scheduler refuses a job no node of it can hold.
         """
         problems = []
         if resources.nodes > 1:
             problems.append(f"{resources.nodes} nodes (it runs every job on this one host)")
+        cores = host_cpus()
+        if resources.cpus_per_node > cores:
+            problems.append(f"{resources.cpus_per_node} cores per node (this host has {cores})")
         gpus = self.config.gpus if self.config.gpus is not None else host_gpus()
         if resources.gpus_per_node > gpus:
             problems.append(f"{resources.gpus_per_node} GPUs per node (this host has {gpus})")
