@@ -226,6 +226,7 @@ class Psij:
             work_directory=self.work, queue_polling_interval=3600, initial_queue_polling_delay=3600
         )
         self.executor = psij.JobExecutor.get_instance("slurm", config=config)
+        self.submitted: list[str] = []
 
     @classmethod
     def load(cls, env: dict[str, Any]) -> Psij | None:
@@ -243,13 +244,29 @@ class Psij:
                 name=f"vehpc-bench-{run}-psij-{i}",
                 directory=Path("/tmp"),
                 attributes=self.psij.JobAttributes(
-                    account=self.account, custom_attributes={"slurm.begin": "now+3600"}
+                    account=self.account,
+                    # PSI/J's template names the job after its script file unless told: the name is how the
+                    # benchmark finds its jobs to cancel them (and the ids, in case).
+                    custom_attributes={
+                        "slurm.begin": "now+3600",
+                        "slurm.job-name": f"vehpc-bench-{run}-psij-{i}",
+                    },
                 ),
             )
             job = self.psij.Job(spec)
             self.executor.submit(job)
             ids.append(str(job.native_id))
+        self.submitted += ids
         return count / (time.perf_counter() - started), ids
+
+    def cancel(self, env: dict[str, Any]) -> None:
+        for chunk in range(0, len(self.submitted), 500):
+            subprocess.run(
+                ["scancel", *self.submitted[chunk : chunk + 500]],
+                env={**os.environ, "SLURM_CONF": env["slurm_conf"]},
+                check=False,
+            )
+        self.submitted = []
 
 
 async def adapter_concurrent(
@@ -370,6 +387,8 @@ async def one_at_a_time(
         with contextlib.suppress(Exception):
             await adapter.close()
         cancel_run(env, f"{run}{transport}")  # the next transport's figures do not pay for these jobs
+        if psij is not None:
+            psij.cancel(env)
     medians = {k: statistics.median(v) for k, v in rates.items() if v}
     return {
         "transport": transport,

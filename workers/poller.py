@@ -113,6 +113,10 @@ class ChainPoller:
         self.metrics = metrics
         self.clock = clock
         self._recent: dict[str, float] = {}  # started here, not yet listed by the visibility store
+        # Pending jobs known to have a workflow (started here, or seen running): a workflow reports its job to the
+        # chain only once it is submitted, so under a backlog thousands are both; they are not looked up again.
+        # One whose workflow closed while its job is pending is the reconciler's to close.
+        self._taken: set[str] = set()
         self._signalled: set[str] = set()
         service = config.hpc.job_service
         interval = service.job_poll_interval.total_seconds()
@@ -230,17 +234,22 @@ class ChainPoller:
         while True:
             page = await self.chain.pending_jobs(self.cluster_id, self.provider, limit=PAGE_SIZE, after=after)
             seen += [job.job_id for job in page]
-            running, _ = await self.reconciler.visible([job.job_id for job in page if job.job_id not in held])
+            ask = [job.job_id for job in page if job.job_id not in held and job.job_id not in self._taken]
+            running, _ = await self.reconciler.visible(ask)
+            self._taken |= running
             fresh = []
             for job in page:
-                if job.job_id in running or job.job_id in self._recent:
+                if job.job_id in self._taken:
                     continue
                 if job.job_id in held:
                     stats.held.append(job.job_id)
                 else:
                     fresh.append(job)
             free = await self._start_some(fresh, free, stats)
-            if len(page) < PAGE_SIZE or free <= 0:
+            if len(page) < PAGE_SIZE:
+                self._taken &= set(seen)  # the others left the pending list: no need to remember them
+                break
+            if free <= 0:
                 break
             after = page[-1].job_id
         self._holds.keep_only(seen)
@@ -293,6 +302,7 @@ class ChainPoller:
             await self._reject(chain_job, f"Temporal refused its workflow input: {exc.message}", stats)
             return False
         self._recent[job_id] = self.clock()
+        self._taken.add(job_id)
         stats.started.append(job_id)
         log.info(
             "started workflow for job %s",
