@@ -16,6 +16,7 @@ one.
 from __future__ import annotations
 
 import contextlib
+import logging
 import pwd
 import sqlite3
 import threading
@@ -27,6 +28,8 @@ from virtengine_hpc.config import Config
 from virtengine_hpc.errors import ConfigError
 from virtengine_hpc.files import ensure_private
 from virtengine_hpc.tenancy import TenantAccountError, TenantRules, check_account
+
+log = logging.getLogger(__name__)
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS assignments (
@@ -159,6 +162,16 @@ class TenantAccounts:
         if known is None and self.store is not None:
             known = self.store.get(tenant)
         return known
+
+    def warn_if_unusable(self, cluster_id: str) -> None:
+        """Say at start what would otherwise show only job by job: with isolation and no account at all, every
+        job of the cluster is refused."""
+        if self.isolated and not self.rules.accounts():
+            log.warning(
+                "hpc.tenants names no account (accounts and pool are empty): every job of cluster %s will be "
+                "refused with tenant_account_missing until the operator maps tenants to accounts",
+                cluster_id,
+            )
 
     def accounts(self) -> frozenset[str]:
         """Every account a tenant's job may run as (empty with isolation none)."""

@@ -10,6 +10,8 @@ other tenant's job runs.
 from __future__ import annotations
 
 import asyncio
+import pwd
+import shutil
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -24,7 +26,7 @@ from tests import slurm_cluster as sc
 from tests.conftest import make_config
 from tests.pipeline_harness import Pipeline, running_pipeline
 from virtengine_hpc.config import load_config
-from virtengine_hpc.errors import ConfigError
+from virtengine_hpc.errors import ConfigError, SecurityError
 from virtengine_hpc.states import JobState
 from virtengine_hpc.tenancy import TenantAccountError
 
@@ -206,3 +208,41 @@ async def test_the_refusal_is_on_chain_and_audited_and_nothing_else_stops(pipe: 
     events = pipe.audit_events("job_submission_failed", refused)
     assert events and events[-1]["details"]["code"] == "tenant_account_missing"
     assert MALLORY in events[-1]["error_msg"]
+
+
+async def test_over_ssh_a_tenant_shell_that_alters_sbatchs_answer_is_caught(env: dict[str, Any]) -> None:
+    """Over SSH, sbatch runs in the tenant account's own login shell, whose startup files its jobs can write (a
+    non-interactive ssh session sources ~/.bashrc). A PATH wrapper that submits the job but answers another job's
+    id (to have that job watched, billed or cancelled as this one) is caught by the provider's own squeue."""
+    account = sc.tenant_accounts(env)[-1]
+    decoy_wf, wf = wid("decoy"), wid("lying-shell")
+    root_job = sc.slurm_command(
+        env,
+        ["sbatch", "--parsable", "--hold", "-J", f"vehpc-{decoy_wf}", "-o", "/dev/null", "--wrap", "true"],
+    ).strip()
+    home = Path(pwd.getpwnam(account).pw_dir)
+    wrapper_dir = home / f".vehpc-test-{uuid.uuid4().hex[:8]}"
+    bashrc = home / ".bashrc"
+    original = bashrc.read_bytes()
+    wrapper_dir.mkdir()
+    (wrapper_dir / "sbatch").write_text(
+        "#!/bin/bash\n"
+        'script=$(cat); real=$(printf "%s\\n" "$script" | /usr/bin/sbatch "$@") || exit $?\n'
+        f'case "$script" in *{wf}*) echo {root_job} ;; *) echo "$real" ;; esac\n'
+    )
+    (wrapper_dir / "sbatch").chmod(0o755)
+    bashrc.write_bytes(f"export PATH={wrapper_dir}:$PATH\n".encode() + original)
+    adapter = sc.adapter(env, "ssh", tenants={"accounts": {MALLORY: account}}, hold=True)
+    try:
+        job = sc.spec(wf, "true\n", tenant=MALLORY)
+        with pytest.raises(SecurityError, match="altered the answer") as caught:
+            await adapter.submit(SubmitRequest(workflow_id=wf, job=job, body="true\n", first_attempt=True))
+        assert f"answered job {root_job}" in str(caught.value)
+        assert (await adapter.status_batch([root_job]))[root_job].state == JobState.QUEUED, (
+            "the decoy untouched"
+        )
+    finally:
+        bashrc.write_bytes(original)
+        shutil.rmtree(wrapper_dir, ignore_errors=True)
+        await adapter.close()
+        sc.slurm_command(env, ["scancel", root_job])

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import pwd
 import subprocess
 import urllib.request
 import uuid
@@ -174,6 +175,10 @@ async def test_interactive_session_on_slurm(pipe: Pipeline) -> None:
             break
         await asyncio.sleep(0.2)
     endpoint = json.loads(path.read_text())
+    account = pwd.getpwnam(pipe.config.hpc.tenants.accounts[TENANT])
+    # The session's token is the tenant account's own: its file 0600, in a directory no other account enters.
+    assert path.stat().st_uid == account.pw_uid and path.stat().st_mode & 0o777 == 0o600
+    assert path.parent.stat().st_uid == account.pw_uid and path.parent.stat().st_mode & 0o777 == 0o700
     reply = await asyncio.to_thread(
         lambda: urllib.request.urlopen(f"http://127.0.0.1:{endpoint['port']}/", timeout=10)
     )

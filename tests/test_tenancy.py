@@ -147,3 +147,18 @@ def test_isolation_none_runs_as_the_submit_account_but_never_as_root(tmp_path: P
     assert shared.accounts() == frozenset()
     with pytest.raises(TenantAccountError, match="uid 0"):
         shared.account_for(ALICE, submit_account="root")
+
+
+def test_a_worker_says_at_start_that_every_job_would_be_refused(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    from activities.schedulers.slurm import SlurmAdapter
+    from virtengine_hpc.config import Secrets
+
+    data = {"hpc": {"job_service": {"state_store_path": str(tmp_path)}, "slurm": {"transport": "cli"}}}
+    SlurmAdapter.from_config(load_config(data=data, env={}), Secrets(), "c1")
+    assert "every job of cluster c1 will be refused with tenant_account_missing" in caplog.text
+    caplog.clear()
+    data["hpc"]["tenants"] = {"pool": ["t1"]}
+    SlurmAdapter.from_config(load_config(data=data, env={}), Secrets(), "c1")
+    assert "will be refused" not in caplog.text

@@ -106,6 +106,7 @@ class MoabAdapter(BatchSchedulerAdapter):
         m = config.hpc.moab
         timeout = m.connection_timeout.total_seconds()
         tenants = TenantAccounts.from_config(config)
+        tenants.warn_if_unusable(cluster_id)
         backend: MoabBackend
         if m.transport == "ssh":
             backend = cls._ssh_backend(m, tenants, timeout)

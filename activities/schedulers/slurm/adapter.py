@@ -139,6 +139,7 @@ class SlurmAdapter(BatchSchedulerAdapter):
         lookback_days = max(1, int(s.accounting_lookback.total_seconds() // 86400))
         tenants = TenantAccounts.from_config(config)
         lookup_users = sorted(tenants.accounts())
+        tenants.warn_if_unusable(cluster_id)
         backend: SlurmBackend
         if transport == "cli":
             runner = LocalRunner(slurm_conf=s.slurm_conf, extra_env=s.remote_env)
@@ -243,6 +244,7 @@ class SlurmAdapter(BatchSchedulerAdapter):
             lookback_days=lookback_days,
             executor_as=as_tenant if tenants.isolated else None,
             lookup_users=sorted(tenants.accounts()),
+            tenant_shell=tenants.isolated,
         )
 
     def expected_account(self, tenant: str) -> str | None:

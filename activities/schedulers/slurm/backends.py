@@ -168,9 +168,16 @@ class CliBackend(SlurmBackend):
         lookback_days: int,
         executor_as: Callable[[str], CommandExecutor] | None = None,
         lookup_users: Sequence[str] = (),
+        tenant_shell: bool = False,
     ) -> None:
-        """``executor_as(account)`` runs commands as a tenant's account (None: this backend cannot)."""
+        """``executor_as(account)`` runs commands as a tenant's account (None: this backend cannot).
+
+        ``tenant_shell``: those commands go through the tenant account's own login shell (SSH), whose startup
+        files its jobs can write. Then what ``sbatch`` answers is checked with the provider's own ``squeue``, and
+        running steps are not read (``sstat`` as the provider's operator account is refused by slurmd, and as
+        the tenant's it would be the tenant's word): CPU time arrives with the final accounting."""
         super().__init__()
+        self.tenant_shell = tenant_shell
         self.ex = executor
         self.cluster = cluster
         self.user = user
@@ -219,12 +226,26 @@ class CliBackend(SlurmBackend):
             account=account,
         )
         try:
-            return p.parse_job_id(result.stdout)
+            job_id = p.parse_job_id(result.stdout)
         except p.ParseError as exc:
             # sbatch said yes but printed no id: the job may exist; the next lookup finds it.
             raise SchedulerUnavailable(
                 f"sbatch: {exc}", command=list(result.argv), stdout=result.stdout
             ) from exc
+        if account is not None and account != self.user and self.tenant_shell:
+            await self._check_answer(job_id, account, plan.job_name)
+        return job_id
+
+    async def _check_answer(self, job_id: str, account: str, name: str) -> None:
+        """The job ``sbatch`` named through the tenant's shell is the one just submitted: the controller (asked
+        as the provider) holds it under that account and name. A brand-new job is always in ``squeue``."""
+        held = next(iter(await self.queue([job_id])), None)
+        if held is None or held.user != account or held.name != name:
+            seen = "not held by the controller" if held is None else f"{held.name!r} of {held.user}"
+            raise SecurityError(
+                f"sbatch as {account} answered job {job_id}, which is {seen}, not this submission ({name}): "
+                "the account's login shell altered the answer"
+            )
 
     async def queue(self, job_ids: Sequence[str]) -> list[p.QueueJob]:
         result = await self._run(
@@ -279,6 +300,8 @@ class CliBackend(SlurmBackend):
         return await self._accounting(self._sacct("-u", users, "--name", ",".join(names), steps=False))
 
     async def live_steps(self, job_id: str) -> list[p.LiveStep] | None:
+        if self.tenant_shell:
+            return None
         result = await self._run(
             ["sstat", "-P", "-n", "-a", "--noconvert", "-j", job_id, "-o", p.SSTAT_FORMAT],
             what="sstat",
