@@ -51,6 +51,7 @@ def sacct_job(env: dict[str, Any], slurm_id: str) -> dict[str, str]:
     return dict(zip(fields, row, strict=True))
 
 
+@pytest.mark.timeout(600)  # five jobs, one of them running out its 60 s walltime, on a shared cluster
 async def test_reconcile_agrees_with_sacct_for_jobs_of_every_outcome(
     client: Client,
     tmp_path: Path,
@@ -142,6 +143,9 @@ async def test_reconcile_agrees_with_sacct_for_jobs_of_every_outcome(
         lines = {line.split()[0]: line.split() for line in out.splitlines() if line.startswith("      ")}
         assert lines["wall_clock_seconds"][1:3] == [row["ElapsedRaw"], row["ElapsedRaw"]]
         assert lines["cpu_time_seconds"][-1] == "ok" and lines["disk_bytes_written"][-1] == "ok"
+        # And the records keep the format's rules: periods that follow each other, allocation x run time.
+        code, out = await cli("usage", "verify", "--job", job_id)
+        assert code == 0, out
 
     # Slurm's accounting of the job cancelled while pending says 0 s, no start: it agrees with no records.
     code, out = await cli("usage", "reconcile", "--job", never_ran)
@@ -189,6 +193,7 @@ async def test_reconcile_agrees_with_sacct_for_jobs_of_every_outcome(
     print("\n".join(shown))  # the reports, for a reader of the test's output
 
 
+@pytest.mark.timeout(600)  # Slurm holds a requeued job back for ~2 minutes (BeginTime) before it runs again
 async def test_a_requeued_job_is_billed_for_every_run_and_reconciles(
     client: Client,
     tmp_path: Path,
@@ -248,3 +253,8 @@ async def test_a_requeued_job_is_billed_for_every_run_and_reconciles(
     assert code == 0 and "Traceback" not in err, out + err
     wall = next(line.split() for line in out.splitlines() if line.strip().startswith("wall_clock_seconds"))
     assert wall[1:3] == [str(sum(elapsed))] * 2, out
+    code = await asyncio.to_thread(
+        cli_main, ["--config", str(config_file), "usage", "verify", "--job", job_id]
+    )
+    out, _ = capsys.readouterr()
+    assert code == 0, out

@@ -31,11 +31,13 @@ from tests.pipeline_harness import OFFERING, setup_ledger
 from virtengine_hpc.cli import main as cli_main
 from virtengine_hpc.config import Secrets
 from virtengine_hpc.messages import UsageInput
-from virtengine_hpc.metering import PRICED, Reading, held, meter
+from virtengine_hpc.metering import PRICED, Reading, basis_of, held, meter
 from virtengine_hpc.models import Allocation, JobSpec, Resources, UsageMetrics, UsageRecord
 from virtengine_hpc.signing import Signer, public_key_b64
 from virtengine_hpc.states import JobState
 from virtengine_hpc.usage import (
+    quantize,
+    record_document,
     record_id,
     sign_record,
     signing_payload,
@@ -64,12 +66,22 @@ def make_records(signer: Signer, job_id: str, count: int = 3, version: int = 1) 
     records = []
     for seq in range(1, count + 1):
         final = seq == count
+        metrics = UsageMetrics(
+            wall_clock_seconds=Decimal("300.000000"),
+            cpu_core_seconds=Decimal("598.250000"),
+            memory_gb_seconds=Decimal("15.728640"),
+            node_hours=Decimal("0.083333"),
+            network_bytes_in=1024 * seq,
+            energy_joules=Decimal("12.5") if seq == 2 else None,
+            memory_bytes_max=52_428_800,
+        )
         v2: dict[str, Any] = {}
-        measured: dict[str, Any] = {}
-        if version == 2:
+        if version == 2:  # 2 cores, 1 GiB and 10 GB held for 300 s, and what the job measurably used
             allocation = Allocation(nodes=1, cpus=2, memory_bytes=2**30, storage_gb=10)
+            priced = {name: quantize(value) for name, value in held(allocation, Decimal(300)).items()}
             measured = {"cpu_time_seconds": Decimal("598.25"), "disk_bytes_written": 4096 * seq}
-            v2 = {"version": 2, "allocation": allocation, "basis": {"cpu_core_seconds": "allocated"}}
+            metrics = metrics.model_copy(update=priced | measured)
+            v2 = {"version": 2, "allocation": allocation, "basis": basis_of(metrics)}
         unsigned = UsageRecord(
             record_id=record_id(CLUSTER, job_id, seq),
             job_id=job_id,
@@ -78,20 +90,12 @@ def make_records(signer: Signer, job_id: str, count: int = 3, version: int = 1) 
             provider=PROVIDER,
             tenant=TENANT,
             sequence=seq,
-            period_start=T0 + timedelta(minutes=5 * (seq - 1)),
+            # Each period starts where the previous one ended.
+            period_start=T0 + timedelta(minutes=5 * (seq - 1), microseconds=123 if seq > 1 else 0),
             period_end=T0 + timedelta(minutes=5 * seq, microseconds=123),
             job_state=JobState.COMPLETED if final else JobState.RUNNING,
             is_final=final,
-            metrics=UsageMetrics(
-                wall_clock_seconds=Decimal("300.000000"),
-                cpu_core_seconds=Decimal("598.250000"),
-                memory_gb_seconds=Decimal("15.728640"),
-                node_hours=Decimal("0.083333"),
-                network_bytes_in=1024 * seq,
-                energy_joules=Decimal("12.5") if seq == 2 else None,
-                memory_bytes_max=52_428_800,
-                **measured,
-            ),
+            metrics=metrics,
             created_at=T0 + timedelta(minutes=5 * seq, seconds=1),
             key_id="",
             **v2,
@@ -180,7 +184,7 @@ async def test_the_docs_verifier_checks_records_this_project_signed(
             imported |= {alias.name.split(".")[0] for alias in node.names}
         elif isinstance(node, ast.ImportFrom):
             imported.add((node.module or "").split(".")[0])
-    assert imported <= {"base64", "hashlib", "json", "sys", "cryptography"}, imported
+    assert imported <= {"base64", "datetime", "decimal", "hashlib", "json", "sys", "cryptography"}, imported
     script = tmp_path / "verify_usage.py"
     script.write_text(code)
 
@@ -194,11 +198,9 @@ async def test_the_docs_verifier_checks_records_this_project_signed(
     (tmp_path / "tampered.json").write_text(json.dumps(exported))
     bad = run_doc_script(script, tmp_path / "tampered.json", public)
     assert bad.returncode == 1
-    assert bad.stdout.split("\n")[:3] == [
-        f"OK   {records[0].record_id}",
-        f"FAIL {records[1].record_id}",
-        f"OK   {records[2].record_id}",
-    ]
+    lines = bad.stdout.split("\n")
+    assert lines[0] == f"OK   {records[0].record_id}" and lines[2] == f"OK   {records[2].record_id}"
+    assert lines[1].startswith(f"FAIL {records[1].record_id}: signature does not verify")
     # Another provider's key verifies nothing.
     stranger = public_key_b64(Signer.generate().public_key)
     assert run_doc_script(script, tmp_path / "records.json", stranger).stdout.count("FAIL") == 3
@@ -495,11 +497,62 @@ async def test_usage_verify_refuses_a_record_claiming_more_run_time_than_its_per
         "usage", "verify", "--file", str(path), "--public-key", public_key_b64(signer.public_key)
     )
     assert code == 1
-    assert (
-        f"FAIL  {records[1].record_id}" in out
-        and "claims 300.5 s of run time in a 300.000123 s period" in out
-    )
+    assert f"FAIL  {records[1].record_id}" in out and "claims 300.5 s of run time in a 300 s period" in out
     assert out.rstrip().endswith("3 records: 2 ok, 1 failed")
+
+
+async def test_usage_verify_checks_the_metering_rules_and_that_periods_follow_each_other(
+    workspace: tuple[Cli, LocalLedger, Signer, Path], tmp_path: Path
+) -> None:
+    """Signed records that a tenant would dispute: each is caught by a rule of the format, not by its signature,
+    by ``usage verify`` and by the verifier the documentation gives an outsider."""
+    cli, _, signer, _ = workspace
+    public = public_key_b64(signer.public_key)
+    outsider = tmp_path / "verify_usage.py"
+    outsider.write_text(next(block for block in doc_blocks("python") if "Ed25519PublicKey" in block))
+
+    def verify(records: list[UsageRecord]) -> tuple[int, str]:
+        path = tmp_path / "records.json"
+        path.write_text(json.dumps([record_document(r) for r in records], ensure_ascii=False))
+        code, out, _ = cli("usage", "verify", "--file", str(path), "--public-key", public)
+        documented = run_doc_script(outsider, path, public)
+        assert documented.returncode == code, (out, documented.stdout)
+        return code, out
+
+    def changed(version: int, seq: int, **update: Any) -> list[UsageRecord]:
+        records = make_records(signer, "JOB-9", version=version)
+        metrics = update.pop("metrics", {})
+        record = records[seq - 1]
+        update["metrics"] = record.metrics.model_copy(update=metrics)
+        records[seq - 1] = sign_record(record.model_copy(update=update), signer)
+        return records
+
+    assert verify(make_records(signer, "JOB-9", version=2))[0] == 0
+    first = make_records(signer, "JOB-9", version=2)[0]
+    failures = {
+        # The same 300 s billed twice: record 2 covers record 1's period again.
+        "record 2's period starts at 2026-11-30T12:00:00.000000Z, not where record 1's ended "
+        "(2026-11-30T12:05:00.000123Z)": changed(2, 2, period_start=first.period_start),
+        "record 3's period starts at 2026-11-30T12:10:00.000124Z": changed(
+            1, 3, period_start=T0 + timedelta(minutes=10, microseconds=124)
+        ),
+        "cpu_core_seconds 6000 is not allocation.cpus held for 300 s (600)": changed(
+            2, 1, metrics={"cpu_core_seconds": Decimal(6000)}
+        ),
+        "memory_gb_seconds 322.123 is not allocation.memory_bytes held for 300 s (322.122547)": changed(
+            2, 2, metrics={"memory_gb_seconds": Decimal("322.123")}
+        ),
+        "basis does not follow the format for cpu_time_seconds, memory_gb_seconds": changed(
+            2, 1, basis={**first.basis, "memory_gb_seconds": "measured", "cpu_time_seconds": "allocated"}
+        ),
+        "basis does not follow the format for cpu_time_seconds": changed(
+            2, 1, basis={k: v for k, v in first.basis.items() if k != "cpu_time_seconds"}
+        ),
+        "its period ends before it starts": changed(1, 1, period_end=T0 - timedelta(seconds=1)),
+    }
+    for expected, records in failures.items():
+        code, out = verify(records)
+        assert code == 1 and expected in out, (expected, out)
 
 
 # ---- a job that runs across the upgrade to format 2 --------------------------------------------------------

@@ -22,7 +22,8 @@ from decimal import ROUND_CEILING, Decimal
 
 from pydantic import Field
 
-from virtengine_hpc.models import Allocation, Basis, Model, Resources, UsageMetrics
+from virtengine_hpc.models import Allocation, Basis, Model, Resources, UsageMetrics, UsageRecord
+from virtengine_hpc.signing import canonical_decimal
 from virtengine_hpc.usage import QUANTUM, diff_metrics, normalize_metrics, quantize
 
 GB = Decimal(10**9)
@@ -147,6 +148,34 @@ def period_metrics(now: Metered, previous: UsageMetrics) -> UsageMetrics:
         name: quantize(value) for name, value in held(now.allocation, previous.wall_clock_seconds).items()
     }
     return diff_metrics(now.metrics, previous.model_copy(update=rebased))
+
+
+def rule_problems(record: UsageRecord) -> list[str]:
+    """Where a format-2 record breaks the format's metering rules: a basis other than the format's, for exactly
+    the metrics the record carries; a priced metric other than its allocation held for the record's run time
+    (within one micro-unit, the rounding of the cumulative figures it is the difference of). Empty for format 1,
+    which had no such rules."""
+    if record.version < 2 or record.allocation is None or record.basis is None:
+        return []
+    problems = []
+    expected_basis = basis_of(record.metrics)
+    if record.basis != expected_basis:
+        wrong = sorted(
+            name
+            for name in set(record.basis) | set(expected_basis)
+            if record.basis.get(name) != expected_basis.get(name)
+        )
+        problems.append(f"basis does not follow the format for {', '.join(wrong)}")
+    wall = record.metrics.wall_clock_seconds
+    for name, exact in held(record.allocation, wall).items():
+        value = getattr(record.metrics, name)
+        if abs(value - exact) > QUANTUM:
+            field = PRICED[name][0]
+            problems.append(
+                f"{name} {canonical_decimal(value)} is not allocation.{field} held for "
+                f"{canonical_decimal(wall)} s ({canonical_decimal(quantize(exact))})"
+            )
+    return problems
 
 
 def basis_of(metrics: UsageMetrics) -> dict[str, Basis]:

@@ -3,15 +3,18 @@
 ``usage export --job ID`` prints the job's records as the ledger stores them, signatures included, as a JSON
 list in canonical form (every decimal and time already written the way it was signed). ``usage verify``
 checks every signature against a public key (``--public-key``, ``--key-file``, or the keys the ledger has
-registered for the records' provider), that each record id is ``<cluster>/<job>/<sequence>``, and, per job,
-that sequences run 1, 2, 3, ... without gap or repeat and that exactly one record, the last, is final. It
-prints one line per record and exits 1 if anything fails. The record format is in ``docs/usage-records.md``.
+registered for the records' provider), that each record id is ``<cluster>/<job>/<sequence>``, that format-2
+records follow the metering rules (the format's basis, priced metrics = allocation held for the run time), and,
+per job, that sequences run 1, 2, 3, ... without gap or repeat, each period starting where the previous one
+ended, and that exactly one record, the last, is final. It prints one line per record and exits 1 if anything
+fails. The record format is in ``docs/usage-records.md``.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import sys
 from collections import Counter
@@ -29,7 +32,7 @@ from pydantic import ValidationError as PydanticValidationError
 from virtengine_hpc.cli.common import config_from_args
 from virtengine_hpc.config import Config, Secrets, parse_duration
 from virtengine_hpc.errors import HPCError, SecurityError, ValidationError
-from virtengine_hpc.metering import BASIS, MetricCheck, meter, reconcile
+from virtengine_hpc.metering import BASIS, MetricCheck, meter, reconcile, rule_problems
 from virtengine_hpc.models import Resources, UsageRecord
 from virtengine_hpc.signing import canonical_decimal, key_id, load_private_key, public_key_from_b64
 from virtengine_hpc.usage import record_document, record_id, sum_metrics, verify_record
@@ -195,14 +198,16 @@ def _record_problems(record: UsageRecord, lookup: KeyLookup) -> list[str]:
     expected = record_id(record.cluster_id, record.job_id, record.sequence)
     if record.record_id != expected:
         problems.append(f"record id should be {expected}")
-    if record.version >= 2:
-        span = record.period_end - record.period_start
-        period = Decimal(span.days * 86400 + span.seconds) + Decimal(span.microseconds) / 1_000_000
-        if record.metrics.wall_clock_seconds > period:
-            problems.append(
-                f"claims {canonical_decimal(record.metrics.wall_clock_seconds)} s of run time in a "
-                f"{canonical_decimal(period)} s period"
-            )
+    span = record.period_end - record.period_start
+    period = Decimal(span.days * 86400 + span.seconds) + Decimal(span.microseconds) / 1_000_000
+    if period < 0:
+        problems.append("its period ends before it starts")
+    elif record.version >= 2 and record.metrics.wall_clock_seconds > period:
+        problems.append(
+            f"claims {canonical_decimal(record.metrics.wall_clock_seconds)} s of run time in a "
+            f"{canonical_decimal(period)} s period"
+        )
+    problems += rule_problems(record)
     key = lookup(record)
     if isinstance(key, str):
         problems.append(key)
@@ -223,6 +228,13 @@ def _sequence_problems(records: list[UsageRecord]) -> list[str]:
     missing = sorted(set(range(1, max(sequences) + 1)) - set(sequences))
     if missing:
         problems.append(f"sequence gap: missing {', '.join(map(str, missing))}")
+    ordered = sorted(records, key=lambda r: r.sequence)
+    for earlier, later in itertools.pairwise(ordered):
+        if later.sequence == earlier.sequence + 1 and later.period_start != earlier.period_end:
+            problems.append(
+                f"record {later.sequence}'s period starts at {_moment(later.period_start)}, not where record "
+                f"{earlier.sequence}'s ended ({_moment(earlier.period_end)})"
+            )
     finals = [r.sequence for r in records if r.is_final]
     if not finals:
         problems.append("no final record")
@@ -231,6 +243,10 @@ def _sequence_problems(records: list[UsageRecord]) -> list[str]:
     elif finals[0] != max(sequences):
         problems.append(f"records follow the final record (sequence {finals[0]})")
     return problems
+
+
+def _moment(moment: datetime) -> str:
+    return moment.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
 
 def _read_records(path: str) -> list[Any]:
