@@ -211,8 +211,10 @@ def highest(a: Reading, b: Reading) -> Reading:
 
 # ---- reconciliation: a job's records against the scheduler's own accounting ------------------------------------
 
-#: Relative tolerance of ``reconcile``: 1 % of the scheduler's figure.
-RELATIVE_TOLERANCE = Decimal("0.01")
+#: The scheduler's clock ticks in whole seconds: the records' run time may differ from its figure by one tick.
+CLOCK_TICK = Decimal(1)
+#: Relative tolerance of a measured figure: 1 % of the scheduler's (live samples against final accounting).
+MEASURED_TOLERANCE = Decimal("0.01")
 #: Absolute floors for measured figures: a second of CPU, a MiB of memory, a joule, a KiB of traffic.
 _MEASURED_FLOOR: dict[str, Decimal] = {
     "cpu_time_seconds": Decimal(1),
@@ -243,31 +245,41 @@ class MetricCheck(Model):
         return self.records - self.scheduler
 
 
-def one_second_of(metric: str, allocation: Allocation) -> Decimal:
-    """What one second of run time adds to a priced metric: the scheduler's clocks tick in whole seconds."""
-    per_second = {"wall_clock_seconds": Decimal(1), **held(allocation, Decimal(1))}
-    return per_second.get(metric, _MEASURED_FLOOR.get(metric, Decimal(0)))
+def tolerance_of(metric: str, records: UsageMetrics, scheduler: Metered, record_count: int) -> Decimal:
+    """How far a job's records may be from the scheduler's figure of ``metric`` (``docs/usage-records.md``).
+
+    The run time: one tick of the scheduler's clock. A priced metric: exactly the scheduler's allocation held for
+    the run time the records claim, so only what the run time's difference explains (at most one tick's worth)
+    plus one micro-unit of rounding per record. A measured figure: 1 % of the scheduler's, and at least a second
+    of CPU, a MiB, a joule, a KiB.
+    """
+    if metric == "wall_clock_seconds":
+        return CLOCK_TICK
+    if metric in PRICED:
+        drift = min(abs(records.wall_clock_seconds - scheduler.metrics.wall_clock_seconds), CLOCK_TICK)
+        explained = held(scheduler.allocation, drift)[metric].quantize(QUANTUM, rounding=ROUND_CEILING)
+        return explained + QUANTUM * max(1, record_count)
+    theirs = getattr(scheduler.metrics, metric)
+    relative = abs(Decimal(theirs or 0)) * MEASURED_TOLERANCE
+    return max(_MEASURED_FLOOR.get(metric, Decimal(0)), relative).quantize(QUANTUM, rounding=ROUND_CEILING)
 
 
 def reconcile(
-    records: UsageMetrics, scheduler: Metered, *, metrics: tuple[str, ...] = tuple(BASIS)
+    records: UsageMetrics,
+    scheduler: Metered,
+    *,
+    record_count: int = 1,
+    metrics: tuple[str, ...] = tuple(BASIS),
 ) -> list[MetricCheck]:
-    """Compare what a job's records add up to with the scheduler's own final accounting, metered the same way.
-
-    A metric agrees when the two differ by at most the larger of 1 % of the scheduler's figure and one second's
-    worth (priced metrics: the allocation for one second; measured ones: a second of CPU, a MiB, a joule, a KiB).
-    A figure one side has and the other lacks is a difference.
-    """
+    """Compare what a job's ``record_count`` records add up to with the scheduler's own final accounting, metered
+    the same way, metric by metric within ``tolerance_of``. A figure one side has and the other lacks is a
+    difference."""
     checks = []
     for name in metrics:
         ours, theirs = getattr(records, name), getattr(scheduler.metrics, name)
-        floor = one_second_of(name, scheduler.allocation).quantize(QUANTUM, rounding=ROUND_CEILING)
-        if ours is None or theirs is None:
-            tolerance = floor
-            ok = ours is None and theirs is None
-        else:
-            relative = (abs(Decimal(theirs)) * RELATIVE_TOLERANCE).quantize(QUANTUM, rounding=ROUND_CEILING)
-            tolerance = max(floor, relative)
+        tolerance = tolerance_of(name, records, scheduler, record_count)
+        ok = ours is None and theirs is None
+        if ours is not None and theirs is not None:
             ok = abs(Decimal(ours) - Decimal(theirs)) <= tolerance
         checks.append(
             MetricCheck(

@@ -74,7 +74,8 @@ def register(subparsers: Any) -> None:
         help="compare jobs' records with the scheduler's own accounting, metric by metric",
         description="Compare what a job's usage records add up to with the scheduler's own final accounting "
         "(sacct for SLURM, checkjob for MOAB, the local executor's status), metered by the same rule, metric by "
-        "metric. A metric agrees within the larger of 1 %% of the scheduler's figure and one second's worth. "
+        "metric. The run time agrees within one second (the scheduler's clock), a priced metric exactly as the "
+        "allocation held for that run time (to a micro-unit per record), a measured figure within 1 %%. "
         "Exit 1 when any job differs beyond that or cannot be reconciled; jobs still running are skipped.",
     )
     source = p.add_mutually_exclusive_group(required=True)
@@ -448,7 +449,7 @@ async def _reconcile_job(
     formats = sorted({r.version for r in records})
     # Format-1 records priced CPU and memory on other bases: only the run time compares with them.
     compared = tuple(BASIS) if formats == [2] else ("wall_clock_seconds",)
-    checks = reconcile(ours, theirs, metrics=compared)
+    checks = reconcile(ours, theirs, record_count=len(records), metrics=compared)
     differ = [c.metric for c in checks if not c.ok]
     gaps = _sequence_problems(records)
     summary = (
