@@ -654,3 +654,35 @@ async def test_recovery_of_a_job_the_scheduler_lost_closes_it_with_its_recorded_
     assert [r.is_final for r in records].count(True) == 1 and records[-1].is_final
     settlement = faulty.ledger.settlement(job_id)
     assert settlement is not None and settlement.charged > 0, "it ran: the tenant pays what was recorded"
+
+
+async def test_a_parked_job_continues_as_new_while_it_waits_and_a_retry_settles_it(faulty: Pipeline) -> None:
+    """A job parked for an operator may wait for days. It still moves to a fresh run when its history is long or
+    another build became current (the same check as a watch's, every ``max_watch_seconds``), so it never pins an
+    old build for ever; the new run is still parked, alerts no second time, and the operator's retry settles it.
+    (Before, a parked job waited on its run with no timer: it never continued as new.)"""
+    faulty.poller.settings = faulty.poller.settings.model_copy(
+        update={"max_watch_seconds": 1.0, "continue_as_new_after_events": 1}
+    )
+    sched(faulty).default = Script([(0, Q), (0.2, R), (1.5, C)], exit_code=0)
+    chain(faulty).refuse_accounting = ChainError("accounting rejected: totals mismatch", transient=False)
+    job_id = faulty.submit()
+    await wait_for(faulty, job_id, lambda v: v.parked is not None)
+    parked_run = (await faulty.handle(job_id).describe()).run_id
+
+    deadline = time.monotonic() + 30
+    while (await faulty.handle(job_id).describe()).run_id == parked_run:
+        assert time.monotonic() < deadline, "a parked job never continued as new"
+        await asyncio.sleep(0.3)
+    view = await status(faulty, job_id)
+    assert view.parked is not None and "totals mismatch" in view.parked, "the new run is still parked"
+    assert len(faulty.audit_events("job_parked", job_id)) == 1, "alerted once"
+
+    chain(faulty).refuse_accounting = None
+    await faulty.handle(job_id).execute_update(
+        "retry_parked", RetryRequest(note="fixed"), result_type=JobStatusView
+    )
+    result = await asyncio.wait_for(faulty.handle(job_id).result(), 60)
+    assert result.state == C and result.charged is not None
+    assert [r.is_final for r in faulty.ledger.usage_records(job_id)].count(True) == 1
+    assert faulty.ledger.settlement(job_id) is not None

@@ -191,6 +191,9 @@ class Carried(Model):
     )
     final_state: JobState | None = Field(None, description="The final state decided when finishing began.")
     final_message: str = ""
+    final_partial: bool = Field(
+        False, description="Finishing began without final accounting from the scheduler (vanished, deadline)."
+    )
     final_sent: bool = Field(False, description="The final usage record and accounting are on chain.")
     monitored: bool = Field(
         False, description="The job is registered with its cluster's monitor (it waits for its signals)."

@@ -86,6 +86,9 @@ PATCH_CLUSTER_MONITOR = "cluster-monitor"
 poll interval, whatever the number of workers) or for its own timer (report due, deadline, a safety-net check),
 instead of holding a heartbeating watch activity. Decided once per run: a run that began before watches the old way.
 """
+PATCH_PARKED_MOVES = "continue-as-new-while-parked"
+"""A parked job wakes every ``max_watch_seconds`` and continues as new when its history is long or another build
+became current (the new run waits parked the same way): a job waiting for an operator pinned its build for ever."""
 CANCEL_BACKOFF_CAP = timedelta(minutes=5)
 _MIN_TIMER = timedelta(milliseconds=100)
 _DONE = object()
@@ -227,12 +230,15 @@ class HPCJobWorkflow:
             if self.observed is not None:
                 continue  # news from the monitor first: a new run would not hear it again
             if not self.c.state.final and (self._history_is_long() or self._new_build_is_current()):
-                await workflow.wait_condition(workflow.all_handlers_finished)
-                # The next run starts on the deployment's current build (this one stays pinned to its own).
-                workflow.continue_as_new(
-                    self.inp.model_copy(update={"carried": self.c}),
-                    initial_versioning_behavior=workflow.ContinueAsNewVersioningBehavior.AUTO_UPGRADE,
-                )
+                await self._continue_as_new()
+
+    async def _continue_as_new(self) -> None:
+        await workflow.wait_condition(workflow.all_handlers_finished)
+        # The next run starts on the deployment's current build (this one stays pinned to its own).
+        workflow.continue_as_new(
+            self.inp.model_copy(update={"carried": self.c}),
+            initial_versioning_behavior=workflow.ContinueAsNewVersioningBehavior.AUTO_UPGRADE,
+        )
 
     async def _drive_to_the_end(self) -> None:
         """Drive the job to a final state on chain, whatever happens on the way.
@@ -269,6 +275,12 @@ class HPCJobWorkflow:
         if self.inp.recovery is not None and self.inp.carried is None and not self.recovered:
             await self._begin_recovery(self.inp.recovery)
             self.recovered = True
+        if self.c.parked is not None:
+            # This run continued a parked one (onto a fresh history or a new build): it waits as that one did.
+            await self._park(self.c.parked, resumed=True)
+            if self.c.final_state is not None and not self.c.state.final:
+                # It was parked while finishing: finish as decided then (a watch could report usage again).
+                await self._finish(self.c.final_state, self.c.final_message, partial=self.c.final_partial)
         await self._drive()
 
     def _on_workflow_cancel(self) -> None:
@@ -339,36 +351,63 @@ class HPCJobWorkflow:
         if found.scheduler_job_id is not None:
             workflow.upsert_search_attributes([SA_SCHEDULER_JOB.value_set(found.scheduler_job_id)])
 
-    async def _park(self, why: str) -> None:
+    async def _park(self, why: str, *, resumed: bool = False) -> None:
         """Wait for an operator: the job cannot make progress on its own (alerted through ``VeJobState``).
 
         Ends when the operator retries (``retry_parked``) or cancels the workflow; either way the job leaves the
-        parked state, and a cancel propagates to the caller.
+        parked state, and a cancel propagates to the caller. A job parked for long continues as new, still parked
+        (``PATCH_PARKED_MOVES``); the run that resumes it (``resumed``) does not alert again.
         """
         self.c = self.c.model_copy(update={"parked": why})
         workflow.upsert_search_attributes([SA_STATE.value_set(PARKED)])
+        moving = False
         try:
-            try:
-                await workflow.execute_activity(
-                    "park_job",
-                    ParkInput(
-                        job_id=self.job.job_id,
-                        cluster_id=self.c.cluster_id,
-                        state=self.c.state,
-                        reason=why,
-                        scheduler_job_id=self.c.scheduler_job_id,
-                    ),
-                    start_to_close_timeout=timedelta(seconds=60),
-                    retry_policy=self._retry(unlimited=True),
-                )
-            except ActivityError as err:
-                if _is_cancel(err):
-                    raise asyncio.CancelledError() from None
-                raise
-            await workflow.wait_condition(lambda: self.c.parked is None)
+            if not resumed:
+                await self._alert_parked(why)
+            if workflow.patched(PATCH_PARKED_MOVES):
+                moving = await self._wait_parked()
+            else:
+                await workflow.wait_condition(lambda: self.c.parked is None)
         finally:
-            self.c = self.c.model_copy(update={"parked": None})
-            workflow.upsert_search_attributes([SA_STATE.value_set(self.c.state.value)])
+            if not moving:
+                self.c = self.c.model_copy(update={"parked": None})
+                workflow.upsert_search_attributes([SA_STATE.value_set(self.c.state.value)])
+        if moving:
+            if self.observed is not None:  # news the new run would not hear again: it registers anew instead
+                self.c = self.c.model_copy(update={"monitored": False})
+            await self._continue_as_new()
+
+    async def _wait_parked(self) -> bool:
+        """Until the operator retries (False), or until the job should move to a fresh run (True): its history
+        is long or another build became current. Nothing else wakes a parked job, so it looks every
+        ``max_watch_seconds``, as a watch does."""
+        every = timedelta(seconds=self.settings.max_watch_seconds)
+        while True:
+            try:
+                await workflow.wait_condition(lambda: self.c.parked is None, timeout=every)
+                return False
+            except TimeoutError:
+                if self._history_is_long() or self._new_build_is_current():
+                    return True
+
+    async def _alert_parked(self, why: str) -> None:
+        try:
+            await workflow.execute_activity(
+                "park_job",
+                ParkInput(
+                    job_id=self.job.job_id,
+                    cluster_id=self.c.cluster_id,
+                    state=self.c.state,
+                    reason=why,
+                    scheduler_job_id=self.c.scheduler_job_id,
+                ),
+                start_to_close_timeout=timedelta(seconds=60),
+                retry_policy=self._retry(unlimited=True),
+            )
+        except ActivityError as err:
+            if _is_cancel(err):
+                raise asyncio.CancelledError() from None
+            raise
 
     async def _until_done(self, what: str, step: Callable[[], Awaitable[None]]) -> None:
         """Run a step of the finish path until it succeeds, parking the job after each failure for good.
@@ -768,7 +807,9 @@ class HPCJobWorkflow:
             # first time, and a final record already sent is not sent twice.
             final, message = self.c.final_state, self.c.final_message
         else:
-            self.c = self.c.model_copy(update={"final_state": final, "final_message": message})
+            self.c = self.c.model_copy(
+                update={"final_state": final, "final_message": message, "final_partial": partial}
+            )
         if ran and not self.c.final_sent:  # with usage reporting off too: the job settles on its accounting
 
             async def final_usage() -> None:
