@@ -9,15 +9,18 @@
 
 from __future__ import annotations
 
+import tomllib
 from datetime import timedelta
 from pathlib import Path
 
 import pytest
+from packaging.version import Version
 from temporalio import workflow
 from temporalio.client import WorkflowHistory
 from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.worker import Replayer
 
+from tests.conftest import REPO
 from tests.memory_adapter import MemoryAdapter
 from tests.production_support import cluster_config
 from tests.replay_corpus import BRANCHES_SINCE_0_3, NODE_SCENARIOS, OUTCOMES, previous_release
@@ -95,3 +98,12 @@ def test_workflow_code_that_differs_never_shares_the_default_build_id(
     after = config_module.default_build_id()
     assert after != before and after.startswith(config_module.package_version() + "+wf.")
     assert load_config(data={}, env={}).temporal.build_id == after
+
+
+def test_the_version_is_not_older_than_the_newest_recorded_release() -> None:
+    """The default build id starts with the package version, so the version must say which release a build is
+    (or follows): never older than the newest release whose corpus is recorded (it read 0.1.0 long after 0.3.0
+    was recorded)."""
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    newest = Version(".".join(map(str, previous_release().version)))
+    assert Version(project["version"]) >= newest, f"{project['version']} is older than {newest}"
