@@ -1,0 +1,505 @@
+"""Watching N held SLURM jobs with W worker processes: the cluster monitor against the per-job watch activity.
+
+    VEHPC_DEV_DIR=<the dev state of the running SLURM cluster, default .dev>   # run as root
+    .venv/bin/python benchmarks/monitor.py [--jobs 1000] [--workers 2] [--interval 2] [--window 40] [--old-rev REV]
+
+Both designs in one run, one after the other, on the real SLURM cluster and one Temporal dev server. "old" is the
+job workflow code of git revision ``--old-rev`` (default ``HEAD~1``; pass the last commit before the monitor),
+unpacked with ``git archive`` into a temporary directory; "new" is this checkout. For each design: W worker
+processes (``--serve`` mode of this file: the design's own worker wiring, the SLURM adapter over the local CLI,
+submitting every job ``--hold`` so it never starts) serve one cluster task queue; N chain jobs are submitted on a
+LocalLedger and started by the chain poller; once all N are queued on chain (held in SLURM), the benchmark waits
+``--settle`` seconds and then, over ``--window`` seconds, counts:
+
+* the controller's job-state RPCs (``sdiag``, REQUEST_JOB_INFO, REQUEST_JOB_INFO_SINGLE, REQUEST_JOB_USER_INFO),
+  diffed before and after the window (``sdiag -r`` would reset every user's counters), and the same counts
+  over a window before the design's workers started, so other users of the cluster can be told apart;
+* the worker processes' RSS (idle before the jobs, and with N watched) and their CPU over the window;
+* the history events of the watched jobs so far.
+
+Afterwards every job's workflow is terminated and its held SLURM job cancelled. Needs the SLURM cluster's
+``MaxJobCount`` (10,000 by default) to have room for N more jobs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass
+from decimal import Decimal
+from pathlib import Path
+from typing import Any
+
+CODE = Path(__file__).resolve().parents[1]
+JOB_RPCS = ("REQUEST_JOB_INFO", "REQUEST_JOB_INFO_SINGLE", "REQUEST_JOB_USER_INFO")
+QUERY_USER = "nobody"
+"""The user the workers' ``squeue`` runs as: nobody else on the cluster uses it."""
+
+
+def sdiag(env: dict[str, str]) -> dict[str, int]:
+    """RPC counts by message type, and by user as ``user:<name>``, from ``sdiag`` (cumulative)."""
+    out = subprocess.run(["sdiag"], env=env, capture_output=True, text=True, check=True, timeout=60).stdout
+    counts: dict[str, int] = {}
+    by_user = False
+    for line in out.splitlines():
+        by_user = by_user or "by user" in line
+        found = re.match(r"\s*(\S+)\s+\(\s*\d+\)\s+count:(\d+)", line)
+        if found:
+            counts[f"user:{found.group(1)}" if by_user else found.group(1)] = int(found.group(2))
+    return counts
+
+
+def squeue_as(user: str, into: Path) -> Path:
+    """A ``squeue`` that runs as ``user``: put first on the workers' PATH, it makes their status queries the only
+    RPCs of that user in ``sdiag``, whatever else the cluster's other users run meanwhile."""
+    wrapper = into / "squeue"
+    wrapper.write_text(
+        f'#!/bin/sh\nexec setpriv --reuid={user} --regid=65534 --clear-groups /usr/bin/squeue "$@"\n'
+    )
+    wrapper.chmod(0o755)
+    return into
+
+
+def slurm_env() -> tuple[dict[str, Any], dict[str, str]]:
+    dev = Path(os.environ.get("VEHPC_DEV_DIR", str(CODE / ".dev")))
+    env = json.loads((dev / "slurm" / "env.json").read_text())
+    return env, {**os.environ, "SLURM_CONF": env["slurm_conf"]}
+
+
+# ---- worker processes (--serve) -----------------------------------------------------------------------------
+
+
+async def serve(args: argparse.Namespace) -> None:
+    """One worker process of a design: its own code's wiring, the SLURM adapter holding every job it submits."""
+    from temporalio.client import Client
+    from temporalio.contrib.pydantic import pydantic_data_converter
+
+    from activities.schedulers.slurm.adapter import SlurmAdapter
+    from virtengine_hpc.config import Secrets, load_config
+    from workers.wiring import build_worker_deps
+    from workers.worker import make_worker
+
+    config = load_config(data=json.loads(Path(args.config).read_text()), env={})
+    secrets = Secrets(provider_signing_key_path=Path(args.key))
+    adapter = SlurmAdapter.from_config(config, secrets, config.hpc.cluster_id)
+    adapter.hold = True
+    deps = build_worker_deps(config, secrets, adapters={config.hpc.cluster_id: adapter}, nodes=False)
+    client = await Client.connect(
+        config.temporal.address, namespace=config.temporal.namespace, data_converter=pydantic_data_converter
+    )
+    async with make_worker(client, deps, queue=args.queue):
+        import workflows.hpc_job
+
+        print(f"worker of {workflows.hpc_job.__file__} on {args.queue}", flush=True)
+        Path(args.ready).touch()
+        await asyncio.Event().wait()
+
+
+async def count_events(args: argparse.Namespace) -> None:
+    """History events of one short job of the design's code (in-memory scheduler, real activities and chain), once
+    without periodic reports and once with one every second: the fixed cost and the cost per report period."""
+    import uuid as _uuid
+
+    from temporalio.contrib.pydantic import pydantic_data_converter
+    from temporalio.testing import WorkflowEnvironment
+
+    from tests.conftest import binary, make_config
+    from tests.memory_adapter import MemoryAdapter, Script
+    from tests.pipeline_harness import running_pipeline
+    from virtengine_hpc.signing import write_private_key
+    from virtengine_hpc.states import JobState
+    from workflows.hpc_job import SEARCH_ATTRIBUTES
+
+    env = await WorkflowEnvironment.start_local(
+        dev_server_existing_path=binary("temporal"),
+        data_converter=pydantic_data_converter,
+        search_attributes=list(SEARCH_ATTRIBUTES),
+        ui=False,
+        dev_server_log_level="error",
+    )
+    found: dict[str, tuple[int, int]] = {}
+    try:
+        for label, interval in (("fixed", "600s"), ("reports", "1s")):
+            base = Path(tempfile.mkdtemp(prefix="vehpc-events-"))
+            key = base / "provider.key"
+            write_private_key(key)
+            config = make_config(
+                base,
+                hpc={
+                    "cluster_id": f"ev-{_uuid.uuid4().hex[:6]}",
+                    "usage_reporting": {"report_interval": interval},
+                },
+            )
+            adapter = MemoryAdapter()
+            adapter.default = Script(
+                [(0, JobState.QUEUED), (1.0, JobState.RUNNING), (12.0, JobState.COMPLETED)], exit_code=0
+            )
+            async with running_pipeline(env.client, config, key, adapter, f"ev-{_uuid.uuid4().hex[:6]}") as p:
+                job_id = p.submit()
+                await p.run_until_done([job_id])
+                events = [e async for e in p.handle(job_id).fetch_history_events()]
+                found[label] = (len(events), len(p.ledger.usage_records(job_id)))
+    finally:
+        await env.shutdown()
+    (fixed, _), (total, records) = found["fixed"], found["reports"]
+    print(json.dumps({"short_job": fixed, "per_period": (total - fixed) / max(1, records - 1)}))
+
+
+def events_of(design: Design) -> dict[str, float]:
+    out = subprocess.run(
+        [sys.executable, str(Path(__file__).resolve()), "--events", "--code", str(design.code)],
+        env={**os.environ, "PYTHONPATH": str(design.code)},
+        cwd=design.code,
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=600,
+    )
+    result: dict[str, float] = json.loads(out.stdout.strip().splitlines()[-1])
+    return result
+
+
+# ---- the benchmark ------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Design:
+    name: str
+    code: Path
+
+
+@dataclass
+class Figures:
+    design: str
+    jobs: int
+    started_in: float
+    rpcs: dict[str, int]
+    background: dict[str, int]
+    window: float
+    rounds: float
+    rss_idle: int
+    rss_watching: int
+    cpu_seconds: float
+    events: list[int]
+    short_job: float = 0.0
+    per_period: float = 0.0
+
+
+def old_tree(rev: str, into: Path) -> Path:
+    archive = subprocess.run(["git", "-C", str(CODE), "archive", rev], capture_output=True, check=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(into)], input=archive, check=True)
+    return into
+
+
+def config_data(base: Path, env: dict[str, Any], address: str, args: argparse.Namespace) -> dict[str, Any]:
+    sys.path.insert(0, str(CODE))
+    from tests.slurm_cluster import slurm_section, tenants_section
+
+    room = args.jobs + 100
+    return {
+        "hpc": {
+            "scheduler_type": "slurm",
+            "cluster_id": f"mon-{uuid.uuid4().hex[:6]}",
+            "slurm": slurm_section(
+                env,
+                "cli",
+                job_poll_interval=f"{args.interval}s",
+                remote_env={
+                    "PATH": f"{squeue_as(QUERY_USER, base)}:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+                },
+            ),
+            # Jobs run as the tenant's own account, as in production (the tests' mapping).
+            "tenants": {**tenants_section(env), "assignments_path": str(base / "tenant-accounts.db")},
+            "job_service": {
+                "max_concurrent_jobs": room,
+                "job_poll_interval": "1s",
+                "state_store_path": str(base / "state"),
+                "vanished_job_grace": "120s",
+            },
+            "usage_reporting": {"report_interval": "300s"},
+            "retry": {"max_retries": 3, "initial_backoff": "1s", "max_backoff": "10s"},
+            "audit": {"log_path": str(base / "audit.log")},
+        },
+        "provider": {"address": "virtengine1provider0bench"},
+        "temporal": {"address": address, "deployment_name": None},
+        "logging": {"level": "WARNING"},
+    }
+
+
+async def run_design(
+    design: Design, args: argparse.Namespace, address: str, env: dict[str, Any], shell: dict[str, str]
+) -> Figures:
+    import psutil
+    from temporalio.client import Client
+    from temporalio.contrib.pydantic import pydantic_data_converter
+
+    from tests.pipeline_harness import setup_ledger
+    from virtengine_hpc.config import load_config
+    from virtengine_hpc.signing import Signer, write_private_key
+    from virtengine_hpc.states import JobState
+    from workers.poller import ChainPoller
+    from workers.wiring import job_settings
+
+    base = Path(tempfile.mkdtemp(prefix=f"vehpc-monitor-{design.name}-"))
+    key = base / "provider.key"
+    write_private_key(key)
+    data = config_data(base, env, address, args)
+    config = load_config(data=data, env={})
+    (base / "config.json").write_text(json.dumps(data))
+    queue = f"bench-{design.name}-{uuid.uuid4().hex[:6]}"
+    ledger = setup_ledger(config, Signer.from_file(key))
+    ledger.fund("virtengine1tenant0alice", Decimal(100 * args.jobs))  # each job's escrow is its max price
+    client = await Client.connect(address, data_converter=pydantic_data_converter)
+
+    before = sdiag(shell)
+    await asyncio.sleep(args.window)
+    background = _diff(sdiag(shell), before)
+
+    workers: list[subprocess.Popen[bytes]] = []
+    job_ids: list[str] = []
+    try:
+        for n in range(args.workers):
+            ready = base / f"ready-{n}"
+            workers.append(
+                subprocess.Popen(
+                    [
+                        sys.executable,
+                        str(Path(__file__).resolve()),
+                        "--serve",
+                        "--config",
+                        str(base / "config.json"),
+                        "--key",
+                        str(key),
+                        "--queue",
+                        queue,
+                        "--ready",
+                        str(ready),
+                        "--code",
+                        str(design.code),
+                    ],
+                    env={**shell, "PYTHONPATH": str(design.code)},
+                    cwd=design.code,
+                    stdout=open(base / f"worker-{n}.log", "wb"),  # noqa: SIM115 - closed with the process
+                    stderr=subprocess.STDOUT,
+                )
+            )
+            while not ready.exists():
+                if workers[-1].poll() is not None:
+                    raise RuntimeError(
+                        f"worker {n} of {design.name} exited: {(base / f'worker-{n}.log').read_text()[-2000:]}"
+                    )
+                await asyncio.sleep(0.2)
+        print(f"  {design.name}: {(base / 'worker-0.log').read_text().splitlines()[0]}", flush=True)
+        procs = [psutil.Process(w.pid) for w in workers]
+        await asyncio.sleep(3)
+        rss_idle = sum(p.memory_info().rss for p in procs)
+
+        job_ids = [
+            ledger.submit_job(
+                {
+                    "job_id": f"JOB-{design.name}-{uuid.uuid4().hex[:10]}",
+                    "tenant": "virtengine1tenant0alice",
+                    "provider": config.provider.address,
+                    "offering_id": "offering-standard",
+                    "script": "#!/bin/bash\ntrue\n",
+                    "walltime_seconds": 600,
+                    "max_price": "100",
+                }
+            )
+            for _ in range(args.jobs)
+        ]
+        for job_id in job_ids:
+            ledger.create_decision(job_id, config.hpc.cluster_id)
+        from activities.audit import AuditLog
+
+        poller = ChainPoller(
+            client,
+            ledger,
+            config,
+            AuditLog(config.hpc.audit),
+            task_queue=queue,
+            settings=job_settings(config),
+        )
+        started = time.monotonic()
+        while True:
+            await poller.poll_once()
+            jobs = [ledger.job(j) for j in job_ids]
+            failed = [j for j in jobs if j is not None and j.state.final]
+            if failed:
+                raise RuntimeError(f"{len(failed)} jobs ended instead of waiting: {failed[0].status_message}")
+            queued = sum(1 for j in jobs if j is not None and j.state == JobState.QUEUED)
+            print(
+                f"  {design.name}: {queued}/{args.jobs} queued (held) after {time.monotonic() - started:.0f} s",
+                flush=True,
+            )
+            if queued >= args.jobs:
+                break
+            await asyncio.sleep(5)
+        started_in = time.monotonic() - started
+        await asyncio.sleep(args.settle)
+
+        cpu0 = sum(sum(p.cpu_times()[:2]) for p in procs)
+        before = sdiag(shell)
+        t0 = time.monotonic()
+        await asyncio.sleep(args.window)
+        after = sdiag(shell)
+        window = time.monotonic() - t0
+        cpu = sum(sum(p.cpu_times()[:2]) for p in procs) - cpu0
+        rss = sum(p.memory_info().rss for p in procs)
+        events = []
+        for job_id in job_ids[: min(len(job_ids), 50)]:
+            events.append(len((await client.get_workflow_handle(job_id).fetch_history()).events))
+        return Figures(
+            design.name,
+            args.jobs,
+            started_in,
+            _diff(after, before),
+            background,
+            window,
+            window / args.interval,
+            rss_idle,
+            rss,
+            cpu,
+            events,
+        )
+    finally:
+        await _clean_up(client, ledger, shell, workers, job_ids, queue)
+        shutil.rmtree(base, ignore_errors=True)
+
+
+async def _clean_up(
+    client: Any, ledger: Any, shell: dict[str, str], workers: list[Any], job_ids: list[str], queue: str
+) -> None:
+    """Stop the workers, close every workflow of the run and cancel its held SLURM jobs."""
+    from temporalio.service import RPCError
+
+    from virtengine_hpc.messages import monitor_workflow_id
+
+    for w in workers:
+        w.terminate()
+    for w in workers:
+        w.wait(timeout=60)
+    for workflow_id in [*job_ids, monitor_workflow_id(queue)]:
+        with contextlib.suppress(RPCError):  # never started, or already closed
+            await client.get_workflow_handle(workflow_id).terminate("benchmark over")
+    held = [j.scheduler_job_id for j in map(ledger.job, job_ids) if j is not None and j.scheduler_job_id]
+    for chunk in range(0, len(held), 500):
+        subprocess.run(["scancel", *held[chunk : chunk + 500]], env=shell, check=False, timeout=120)
+
+
+def _diff(after: dict[str, int], before: dict[str, int]) -> dict[str, int]:
+    return {name: after.get(name, 0) - before.get(name, 0) for name in (*JOB_RPCS, f"user:{QUERY_USER}")}
+
+
+def rpcs_per_squeue(shell: dict[str, str]) -> int:
+    """How many RPCs one status query (``squeue -j`` of several ids) costs the controller, counted as above."""
+    with tempfile.TemporaryDirectory() as scratch:
+        wrapper = squeue_as(QUERY_USER, Path(scratch)) / "squeue"
+        before = sdiag(shell)
+        subprocess.run(
+            [str(wrapper), "-h", "-t", "all", "-j", "1,2,3"], env=shell, capture_output=True, check=False
+        )
+        return _diff(sdiag(shell), before)[f"user:{QUERY_USER}"]
+
+
+def report(figures: list[Figures], args: argparse.Namespace) -> None:
+    print(
+        f"\n{args.jobs} held jobs watched by {args.workers} worker processes, poll interval {args.interval} s, "
+        f"window {args.window} s; one squeue costs the controller {args.rpcs_per_squeue} RPCs"
+    )
+    head = f"{'':44}" + "".join(f"{f.design:>16}" for f in figures)
+    print(head)
+
+    def row(label: str, values: list[str]) -> None:
+        print(f"{label:44}" + "".join(f"{v:>16}" for v in values))
+
+    ours = f"user:{QUERY_USER}"
+    row("time to N queued (s)", [f"{f.started_in:.0f}" for f in figures])
+    row(f"workers' squeue RPCs in the window ({QUERY_USER})", [str(f.rpcs[ours]) for f in figures])
+    row(
+        "  status queries per poll interval",
+        [f"{f.rpcs[ours] / args.rpcs_per_squeue / f.rounds:.2f}" for f in figures],
+    )
+    for name in JOB_RPCS:
+        row(f"{name}, all users, in the window", [str(f.rpcs[name]) for f in figures])
+        row("  same, before the workers started", [str(f.background[name]) for f in figures])
+    row("worker RSS idle (MiB)", [f"{f.rss_idle / 2**20:.0f}" for f in figures])
+    row("worker RSS watching N (MiB)", [f"{f.rss_watching / 2**20:.0f}" for f in figures])
+    row(
+        "memory per watched job (KiB)",
+        [f"{(f.rss_watching - f.rss_idle) / f.jobs / 1024:.1f}" for f in figures],
+    )
+    row("worker CPU while watching (% of a core)", [f"{100 * f.cpu_seconds / f.window:.1f}" for f in figures])
+    row(
+        "  per 1,000 watched jobs", [f"{100 * f.cpu_seconds / f.window / f.jobs * 1000:.2f}" for f in figures]
+    )
+    row("history events per held job (max)", [str(max(f.events)) for f in figures])
+    row("history events, short job start to settlement", [f"{f.short_job:.0f}" for f in figures])
+    row("  per usage-report period", [f"{f.per_period:.1f}" for f in figures])
+
+
+async def main(args: argparse.Namespace) -> None:
+    from temporalio.testing import WorkflowEnvironment
+
+    sys.path.insert(0, str(CODE))
+    from tests.conftest import binary
+    from workflows.hpc_job import SEARCH_ATTRIBUTES
+
+    env, shell = slurm_env()
+    args.rpcs_per_squeue = rpcs_per_squeue(shell)
+    temporal = await WorkflowEnvironment.start_local(
+        dev_server_existing_path=binary("temporal"),
+        search_attributes=list(SEARCH_ATTRIBUTES),
+        ui=False,
+        dev_server_log_level="error",
+    )
+    scratch = Path(tempfile.mkdtemp(prefix="vehpc-monitor-old-"))
+    try:
+        address = temporal.client.service_client.config.target_host
+        designs = [Design("old", old_tree(args.old_rev, scratch)), Design("new", CODE)]
+        figures = [await run_design(d, args, address, env, shell) for d in designs]
+        for design, figure in zip(designs, figures, strict=True):
+            counted = events_of(design)
+            figure.short_job, figure.per_period = counted["short_job"], counted["per_period"]
+        report(figures, args)
+    finally:
+        await temporal.shutdown()
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def cli() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--jobs", type=int, default=1000)
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--interval", type=float, default=2.0, help="scheduler_poll_interval, seconds")
+    parser.add_argument("--window", type=float, default=40.0, help="seconds counted")
+    parser.add_argument(
+        "--settle", type=float, default=10.0, help="seconds after all are queued, before counting"
+    )
+    parser.add_argument("--old-rev", default="HEAD~1", help="git revision of today's design")
+    parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--events", action="store_true", help=argparse.SUPPRESS)
+    for name in ("--config", "--key", "--queue", "--ready", "--code"):
+        parser.add_argument(name, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.serve or args.events:
+        sys.path.insert(0, args.code)
+        asyncio.run(serve(args) if args.serve else count_events(args))
+    else:
+        asyncio.run(main(args))
+
+
+if __name__ == "__main__":
+    cli()
