@@ -90,6 +90,7 @@ EVENTS: dict[str, Category] = {
     "routing_stale_decision_allowed": Category.ROUTING,
     "routing_violation": Category.ROUTING,
     "security_violation": Category.SECURITY,
+    "adoption_refused": Category.SECURITY,  # this project's own: a look-alike scheduler job was not adopted
     "signature_invalid": Category.SECURITY,
     "template_rejected": Category.SECURITY,
     "heartbeat_rejected": Category.SECURITY,

@@ -27,7 +27,14 @@ from activities.audit import AuditLog
 from activities.chain.client import AccountingReport, ChainClient, StatusReport
 from activities.monitor import MonitorActivities, register
 from activities.routing import RoutingEnforcer
-from activities.schedulers.base import Accounting, NativeStatus, SchedulerAdapter, SubmitRequest, SubmitResult
+from activities.schedulers.base import (
+    Accounting,
+    NativeStatus,
+    RefusedAdoption,
+    SchedulerAdapter,
+    SubmitRequest,
+    SubmitResult,
+)
 from activities.schedulers.batcher import StatusBatcher
 from activities.usage_batcher import UsageBatcher
 from virtengine_hpc.config import Config
@@ -70,6 +77,8 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 _ASKED_CACHE = 20_000
 MAX_MESSAGE = 1024
+ADOPTION_REFUSED_SEVERITY = 4
+"""A look-alike scheduler job is a tenant's attempt to be adopted in another's place (or to run unbilled)."""
 """A refusal's message is cut to this (the chain keeps as much): it may quote what the tenant sent."""
 
 
@@ -127,6 +136,26 @@ class JobActivities:
         self.usage_batcher = UsageBatcher(chain, config.hpc.usage_reporting.batch_size)
         # What each job asked for (its priced allocation's bound), read once from the chain per job.
         self._asked: dict[str, Resources] = {}
+        for adapter in self.adapters.values():
+            adapter.on_refused_adoption(self._audit_refused_adoption)
+
+    def _audit_refused_adoption(self, refusal: RefusedAdoption) -> None:
+        """A look-alike (a scheduler job named like a workflow's own without its marker) was not adopted: it is
+        nobody's job here, so nothing bills it; the audit names it for the operator."""
+        self.audit.record(
+            "adoption_refused",
+            job_id=refusal.workflow_id,
+            cluster_id=refusal.cluster_id,
+            success=False,
+            severity=ADOPTION_REFUSED_SEVERITY,
+            error_msg=f"scheduler job {refusal.scheduler_job_id} not adopted: {refusal.reason}",
+            details={
+                "scheduler_job_id": refusal.scheduler_job_id,
+                "job_name": refusal.job_name,
+                "runs_as": refusal.user,
+                "expected_account": refusal.expected_account,
+            },
+        )
 
     def adapter(self, cluster_id: str) -> SchedulerAdapter:
         try:
@@ -378,7 +407,8 @@ class JobActivities:
         without the scheduler refusing the job (timeouts, lost answers), since such an attempt may well have
         created it. The workflow adopts what this finds instead of failing a job that runs."""
         try:
-            found = await heartbeating(self.adapter(request.cluster_id).find(request.workflow_id))
+            tenant = await heartbeating(self._tenant_of(request.job_id))
+            found = await heartbeating(self.adapter(request.cluster_id).find(request.workflow_id, tenant))
         except HPCError as exc:
             raise to_application_error(exc) from None
         if found is not None:
@@ -393,6 +423,13 @@ class JobActivities:
             )
         return FindOutput(scheduler_job_id=found)
 
+    async def _tenant_of(self, job_id: str) -> str | None:
+        """The tenant of a chain job, as the chain lists it: a lookup by workflow id counts only a job that runs
+        as that tenant's account and carries the marker made for it."""
+        job = await self.chain.get_job(job_id)
+        tenant = job.raw_spec.get("tenant") if job is not None else None
+        return tenant if isinstance(tenant, str) else None
+
     @activity.defn(name="recover_job")
     async def recover_job(self, request: RecoverInput) -> RecoverOutput:
         """Where a job an earlier run left open stands: its scheduler job (looked up by the workflow id when the
@@ -401,7 +438,8 @@ class JobActivities:
         try:
             found = request.scheduler_job_id
             if found is None:
-                found = await heartbeating(self.adapter(request.cluster_id).find(request.workflow_id))
+                tenant = await heartbeating(self._tenant_of(request.job_id))
+                found = await heartbeating(self.adapter(request.cluster_id).find(request.workflow_id, tenant))
             records = await heartbeating(self.chain.job_usage_records(request.job_id))
         except HPCError as exc:
             raise to_application_error(exc) from None

@@ -182,13 +182,13 @@ async def raw_rest_loop(env: dict[str, Any], run: str, count: int) -> tuple[floa
         for i in range(count):
             plan = plan_submission(
                 request(run, -i - 1),
+                name=f"vehpc-bench-{run}-raw-{i}",
                 cluster_id="bench",
                 default_partition=env["partition"],
                 work_dir=env["jobs_dir"],
                 hold=True,
             )
             body = render_rest_job(plan)
-            body["job"]["name"] = f"vehpc-bench-{run}-raw-{i}"
             answer = (await client.post(url, json=body)).json()
             ids.append(str(answer["job_id"]))
         seconds = time.perf_counter() - started

@@ -86,6 +86,7 @@ Credentials are read only from the environment, never from the file:
 | `MOAB_PASSWORD` | its password |
 | `OOD_OIDC_CLIENT_SECRET` | OIDC client secret for Open OnDemand |
 | `PROVIDER_SIGNING_KEY_PATH` | path of the provider's Ed25519 usage-signing key file (mode 0600) |
+| `PROVIDER_MARKER_SECRET` | key of the adoption markers in scheduler job names (at least 32 random characters; default: derived from the signing key, see docs/security.md) |
 
 A configuration that contains a credential-like key anywhere (a name containing `password`, `passwd`,
 `secret`, `token`, `api_key`, `private_key` or `credential`, at any depth, inside lists too, in the file or in
@@ -108,7 +109,7 @@ type, a file that is not a YAML mapping, and a file that cannot be read or is no
 
 ## Keys
 """
-assert len(SECRET_ENV_VARS) == 5
+assert len(SECRET_ENV_VARS) == 6
 
 
 def _is_section(annotation: Any) -> bool:

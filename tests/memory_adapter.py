@@ -109,7 +109,7 @@ class MemoryAdapter(SchedulerAdapter):
             on_submitted(job_id)
         return SubmitResult(scheduler_job_id=job_id)
 
-    async def find(self, workflow_id: str) -> str | None:
+    async def find(self, workflow_id: str, tenant: str | None = None) -> str | None:
         return next((jid for jid, job in self.jobs.items() if job.workflow_id == workflow_id), None)
 
     def _state(self, job: _Job) -> tuple[JobState, float | None]:

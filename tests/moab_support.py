@@ -51,6 +51,9 @@ class MoabCluster:
     work_dir: Path
     tenant_users: tuple[str, ...] = ()
     extra: dict[str, Any] = field(default_factory=dict)
+    cluster_id: str = field(default_factory=lambda: f"moab-{uuid.uuid4().hex[:8]}")
+    """One cluster id for the simulated cluster: a restarted worker serves the same cluster (the adoption marker
+    binds it)."""
 
     @property
     def tenant_key_dir(self) -> Path:
@@ -100,7 +103,7 @@ class MoabCluster:
             tmp,
             hpc={
                 "scheduler_type": "moab",
-                "cluster_id": f"moab-{uuid.uuid4().hex[:8]}",
+                "cluster_id": self.cluster_id,
                 "retry": {"max_retries": 1, "initial_backoff": "100ms", "max_backoff": "200ms"},
                 "moab": self.moab_section(transport, **overrides),
                 "tenants": self.tenants_section(),

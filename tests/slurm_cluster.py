@@ -36,6 +36,7 @@ from activities.schedulers.base import NativeStatus
 from activities.schedulers.slurm import SlurmAdapter
 from virtengine_hpc.config import Config, Secrets, load_config
 from virtengine_hpc.errors import SchedulerUnavailable
+from virtengine_hpc.markers import claimed_workflow
 from virtengine_hpc.models import JobSpec
 
 REPO = Path(__file__).resolve().parents[1]
@@ -151,10 +152,19 @@ def slurm_section(env: dict[str, Any], transport: str, **overrides: Any) -> dict
     return section
 
 
+MARKER_SECRET = "slurmtest-adoption-marker-secret-0123456789"
+"""The tests' ``PROVIDER_MARKER_SECRET``: every adapter of every test process marks and adopts alike."""
+
+
 def secrets(env: dict[str, Any], key_path: Path | None = None) -> Secrets:
-    """The slurmrestd token of SlurmUser: it may submit as each tenant's account."""
+    """The slurmrestd token of SlurmUser: it may submit as each tenant's account. The adoption markers' key is
+    ``MARKER_SECRET`` unless a signing key is given (then derived from it, as in a worker without the secret)."""
     token = Path(env["submit_jwt_token_file"]).read_text().strip()
-    return Secrets(slurm_jwt_token=SecretStr(token), provider_signing_key_path=key_path)
+    return Secrets(
+        slurm_jwt_token=SecretStr(token),
+        provider_signing_key_path=key_path,
+        marker_secret=None if key_path else SecretStr(MARKER_SECRET),
+    )
 
 
 def config(
@@ -258,6 +268,23 @@ def controller_jobs_named(env: dict[str, Any], name: str) -> list[str]:
     return sorted(line.strip() for line in out.splitlines() if line.strip())
 
 
+def sacct_jobs_of(env: dict[str, Any], workflow: str) -> list[str]:
+    """Every job id accounting holds (all users, last 2 days) under a name that claims ``workflow``: its marked
+    name ``vehpc-<workflow>.<tag>`` or a bare ``vehpc-<workflow>`` (a look-alike). The exactly-once oracle."""
+    out = slurm_command(env, ["sacct", "-a", "-X", "-P", "-n", "-S", "now-2days", "-o", "JobIDRaw,JobName"])
+    return _claiming(out, workflow)
+
+
+def controller_jobs_of(env: dict[str, Any], workflow: str) -> list[str]:
+    """Every job id the controller holds (any user, any state) under a name that claims ``workflow``."""
+    return sorted(_claiming(slurm_command(env, ["squeue", "-h", "-t", "all", "-o", "%A|%j"]), workflow))
+
+
+def _claiming(out: str, workflow: str) -> list[str]:
+    rows = [line.split("|", 1) for line in out.splitlines() if "|" in line]
+    return [job_id.strip() for job_id, name in rows if claimed_workflow(name.strip()) == workflow]
+
+
 async def wait_in_accounting(env: dict[str, Any], workflow: str, timeout: float = 40) -> list[str]:
     """Job ids accounting holds under a workflow's job name, once it has heard of them.
 
@@ -266,7 +293,7 @@ async def wait_in_accounting(env: dict[str, Any], workflow: str, timeout: float 
     """
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        ids = sacct_jobs_named(env, "vehpc-" + workflow)
+        ids = sacct_jobs_of(env, workflow)
         if ids:
             return ids
         await asyncio.sleep(1)

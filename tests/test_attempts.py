@@ -33,7 +33,6 @@ from activities.audit import read_events
 from activities.chain.client import UsageSubmitResult
 from activities.chain.local_ledger import LocalLedger
 from activities.schedulers.base import Accounting, SubmitRequest
-from activities.schedulers.slurm.script import job_name
 from activities.schedulers.slurm.transports import LocalRunner, SSHRunner
 from tests import slurm_cluster as sc
 from tests.conftest import make_config
@@ -41,6 +40,7 @@ from tests.memory_adapter import MemoryAdapter, Script
 from tests.pipeline_harness import TENANT, running_pipeline, setup_ledger
 from virtengine_hpc.config import Secrets
 from virtengine_hpc.errors import ChainUnavailable
+from virtengine_hpc.markers import claimed_workflow
 from virtengine_hpc.messages import JobStatusView, SubmitInput, SubmitOutput, UsageInput, WatchInput
 from virtengine_hpc.metering import meter
 from virtengine_hpc.models import JobSpec, Resources, UsageMetrics, UsageRecord
@@ -257,9 +257,10 @@ async def test_a_cancelled_attempt_kills_its_local_command(tmp_path: Path) -> No
 
 
 def controller_states(env: dict[str, Any], workflow: str) -> dict[str, str]:
-    """Every job the controller holds under the workflow's job name, with its state (any user)."""
-    out = sc.slurm_command(env, ["squeue", "-h", "-t", "all", "-n", job_name(workflow), "-o", "%A %T"])
-    return dict(line.split() for line in out.splitlines() if line.strip())
+    """Every job the controller holds under a name claiming the workflow, with its state (any user)."""
+    out = sc.slurm_command(env, ["squeue", "-h", "-t", "all", "-o", "%A|%T|%j"])
+    rows = [line.split("|", 2) for line in out.splitlines() if line.count("|") >= 2]
+    return {job_id: state for job_id, state, name in rows if claimed_workflow(name) == workflow}
 
 
 @pytest.mark.slurm

@@ -541,10 +541,11 @@ SECRET_ENV = {
     "MOAB_PASSWORD": "moab-secret-value",
     "OOD_OIDC_CLIENT_SECRET": "oidc-secret-value",
     "PROVIDER_SIGNING_KEY_PATH": "/etc/virtengine/provider.key",
+    "PROVIDER_MARKER_SECRET": "marker-secret-value-0123456789abcdef",
 }
 
 
-def test_secrets_come_from_the_five_variables() -> None:
+def test_secrets_come_from_the_six_variables() -> None:
     assert set(SECRET_ENV) == set(SECRET_ENV_VARS)
     secrets = Secrets.from_env(SECRET_ENV)
     assert secrets.slurm_jwt_token is not None
@@ -555,12 +556,14 @@ def test_secrets_come_from_the_five_variables() -> None:
     assert secrets.ood_oidc_client_secret is not None
     assert secrets.ood_oidc_client_secret.get_secret_value() == "oidc-secret-value"
     assert secrets.provider_signing_key_path == Path("/etc/virtengine/provider.key")
+    assert secrets.marker_secret is not None
+    assert secrets.marker_secret.get_secret_value() == SECRET_ENV["PROVIDER_MARKER_SECRET"]
 
 
 def test_secrets_never_show_in_repr_str_or_json() -> None:
     secrets = Secrets.from_env(SECRET_ENV)
     for shown in (repr(secrets), str(secrets), secrets.model_dump_json(), f"{secrets}"):
-        for name in ("SLURM_JWT_TOKEN", "MOAB_PASSWORD", "OOD_OIDC_CLIENT_SECRET"):
+        for name in ("SLURM_JWT_TOKEN", "MOAB_PASSWORD", "OOD_OIDC_CLIENT_SECRET", "PROVIDER_MARKER_SECRET"):
             assert SECRET_ENV[name] not in shown
         assert "jwt-secret-value" not in shown
 

@@ -23,7 +23,7 @@ from activities.schedulers.local import LocalAdapter
 from tests.conftest import REPO, make_config
 from tests.local_support import shared_dir
 from tests.pipeline_harness import running_pipeline
-from virtengine_hpc.config import Config
+from virtengine_hpc.config import Config, Secrets
 from virtengine_hpc.signing import Signer
 from virtengine_hpc.states import JobState
 from virtengine_hpc.usage import sum_metrics, verify_record
@@ -95,7 +95,10 @@ async def test_sigkill_worker_while_jobs_run_then_a_new_worker_finishes_them(
     first = WorkerProcess(config_path, task_queue, key_path, tmp_path / "worker1.log")
     worker_factory.append(first)
     # The pipeline's in-process worker listens on another queue; the poller starts workflows on task_queue.
-    local = LocalAdapter.from_config(config, None, config.hpc.cluster_id)  # type: ignore[arg-type]
+    # The workers' secrets: the adoption marker key derives from the provider's key, as in their processes.
+    local = LocalAdapter.from_config(
+        config, Secrets(provider_signing_key_path=key_path), config.hpc.cluster_id
+    )
     async with running_pipeline(client, config, key_path, local, f"{task_queue}-unused") as p:
         p.poller.task_queue = task_queue
         first.start()
@@ -133,7 +136,10 @@ async def test_sigkill_between_scheduler_accept_and_activity_completion_submits_
     worker_factory: list[WorkerProcess],
 ) -> None:
     config, config_path = _config(tmp_path, temporal_env)
-    local = LocalAdapter.from_config(config, None, config.hpc.cluster_id)  # type: ignore[arg-type]
+    # The workers' secrets: the adoption marker key derives from the provider's key, as in their processes.
+    local = LocalAdapter.from_config(
+        config, Secrets(provider_signing_key_path=key_path), config.hpc.cluster_id
+    )
     async with running_pipeline(client, config, key_path, local, f"{task_queue}-unused") as p:
         p.poller.task_queue = task_queue
         marker = shared_dir() / "ran.log"  # the job, running as a tenant account, writes it

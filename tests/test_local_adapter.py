@@ -25,12 +25,13 @@ import pytest
 
 from activities.schedulers import local as local_module
 from activities.schedulers import local_supervisor as sup
-from activities.schedulers.base import NativeStatus, SubmitRequest, registered
+from activities.schedulers.base import NativeStatus, RefusedAdoption, SubmitRequest, registered
 from activities.schedulers.local import JOB_PATH, LocalAdapter, scheduler_job_id
 from activities.tenant_accounts import TenantAccounts
 from tests.local_support import JOB_PYTHON, reachable_dir, running_as_root, shared_dir, tenant_accounts
 from virtengine_hpc.config import LocalSchedulerConfig
 from virtengine_hpc.errors import ConfigError, JobNotFound, SubmissionRejected
+from virtengine_hpc.markers import MarkerKey
 from virtengine_hpc.metering import GB, meter
 from virtengine_hpc.models import JobSpec, Resources
 from virtengine_hpc.signing import write_private_key
@@ -863,6 +864,34 @@ async def test_a_restarted_worker_finds_its_jobs(make_adapter: Callable[..., Loc
     second = make_adapter()
     assert await second.find("wf-restart") == job_id
     assert (await wait_final(second, job_id)).state == JobState.COMPLETED
+
+
+async def test_a_lookalike_job_directory_is_set_aside_never_adopted(
+    make_adapter: Callable[..., LocalAdapter], tmp_path: Path
+) -> None:
+    """A tenant's script runs as the worker's uid here: it can plant a launched job under the id a future workflow
+    will use (the id is a hash of the workflow id). Made without the provider's marker key, it is never adopted."""
+    adapter = make_adapter()
+    refused: list[RefusedAdoption] = []
+    adapter.on_refused_adoption(refused.append)
+    forger = LocalAdapter(
+        LocalSchedulerConfig(kill_wait="1s", allow_unisolated=True),
+        adapter.state_dir,
+        "test-cluster",
+        MarkerKey(b"f" * 32, source="x"),
+    )
+    planted = await forger.submit(request("wf-victim", "echo the look-alike ran\nsleep 1\n"))
+    assert planted.scheduler_job_id == scheduler_job_id("wf-victim")
+    assert await adapter.find("wf-victim") is None
+    own = await adapter.submit(request("wf-victim", "echo the victim ran\n"))
+    assert own.scheduler_job_id == planted.scheduler_job_id and not own.adopted
+    assert (await wait_final(adapter, own.scheduler_job_id)).state == JobState.COMPLETED
+    assert (adapter.job_dir(own.scheduler_job_id) / "stdout").read_text() == "the victim ran\n"
+    assert await adapter.find("wf-victim") == own.scheduler_job_id
+    assert [r.scheduler_job_id for r in refused] == [planted.scheduler_job_id] * 2, "find, then submit"
+    assert "no valid marker" in refused[0].reason
+    aside = list((adapter.state_dir / "tmp").glob(f"{planted.scheduler_job_id}.lookalike-*"))
+    assert len(aside) == 1, "the look-alike is kept aside for the operator"
 
 
 def test_supervisors_of_old_jobs_sample_less_often() -> None:

@@ -16,11 +16,12 @@ from typing import Any
 
 import pytest
 
-from activities.schedulers.base import SubmitRequest, SubmitResult
+from activities.schedulers.base import RefusedAdoption, SubmitRequest, SubmitResult
 from activities.schedulers.batch.transports import SSHRunner
 from activities.schedulers.moab import MoabAdapter
 from tests import moab_support as ms
 from virtengine_hpc.errors import JobNotFound, SchedulerUnavailable, SecurityError, SubmissionRejected
+from virtengine_hpc.markers import claimed_workflow
 from virtengine_hpc.metering import meter
 from virtengine_hpc.states import JobState
 
@@ -49,7 +50,7 @@ async def moab(
 
 def _jobs_named(cluster: ms.MoabCluster, wf: str) -> list[str]:
     with cluster.moab.lock:
-        return [j.job_id for j in cluster.moab.jobs.values() if j.name == f"vehpc-{wf}"]
+        return [j.job_id for j in cluster.moab.jobs.values() if claimed_workflow(j.name) == wf]
 
 
 # ---- outcomes ----------------------------------------------------------------------------------------------------
@@ -79,7 +80,9 @@ async def test_completed_job_reports_exit_code_zero_and_final_usage(
     assert metered.metrics.storage_gb_hours == (5 * wall / 3600).quantize(Decimal("0.000001")) > 0
     for live in outcome.live:  # cumulative: no live reading exceeds the final one
         assert (live.reading.cpu_time_seconds or 0) <= (reading.cpu_time_seconds or 0)
-    out = cluster.output(f"vehpc-{wf}", outcome.submitted.scheduler_job_id.split(".")[-1])
+    name = cluster.moab.jobs[outcome.submitted.scheduler_job_id].name
+    assert claimed_workflow(name) == wf and name != f"vehpc-{wf}", "the name carries the marker"
+    out = cluster.output(name, outcome.submitted.scheduler_job_id.split(".")[-1])
     assert out.read_text().strip() == "done"
     again = await moab.submit(SubmitRequest(workflow_id=wf, job=ms.spec(wf, "true\n"), body="true\n"))
     assert again == SubmitResult(scheduler_job_id=outcome.submitted.scheduler_job_id, adopted=True)
@@ -254,6 +257,40 @@ async def test_lost_submit_answer_and_restarted_worker_leave_one_job(
     await fresh.close()
 
 
+async def test_a_lookalike_named_like_a_workflows_job_is_never_adopted(
+    moab: MoabAdapter, cluster: ms.MoabCluster
+) -> None:
+    """Bob's job (running as Bob's account) runs ``msub`` for Alice's next chain job: once with the bare name, once
+    with the very name Alice's job will carry (seen in ``showq``, say). No lookup takes either, Alice's own job is
+    submitted and adopted, and the look-alikes are reported."""
+    refused: list[RefusedAdoption] = []
+    moab.on_refused_adoption(refused.append)
+    wf = ms.workflow_id("lookalike")
+    alice, bob = cluster.tenant_users
+    marked = moab.job_name(moab.owner(wf, ms.ALICE))
+    bob_user = pwd.getpwnam(bob)
+    planted = [
+        cluster.moab.handle(bob_user.pw_uid, bob_user.pw_gid, "msub", ["-N", name, "-h"], "sleep 30\n")
+        for name in (f"vehpc-{wf}", marked)
+    ]
+    bare, copied = (answer["stdout"].strip() for answer in planted)
+    assert bare.startswith("Moab.") and copied.startswith("Moab."), planted
+    assert await moab.find(wf, ms.ALICE) is None
+    job = ms.spec(wf, "true\n", tenant=ms.ALICE)
+    own = await moab.submit(SubmitRequest(workflow_id=wf, job=job, body="true\n", known_job_id=copied))
+    assert own.scheduler_job_id not in (bare, copied) and not own.adopted
+    again = await moab.submit(SubmitRequest(workflow_id=wf, job=job, body="true\n"))
+    assert (again.scheduler_job_id, again.adopted) == (own.scheduler_job_id, True)
+    assert await moab.find(wf, ms.ALICE) == own.scheduler_job_id
+    reasons = {r.scheduler_job_id: r.reason for r in refused}
+    assert set(reasons) == {bare, copied}
+    assert reasons[copied] == f"it runs as {bob!r}, not as {alice!r}"
+    assert cluster.moab.jobs[own.scheduler_job_id].name == marked
+    assert cluster.moab.jobs[own.scheduler_job_id].user == alice
+    for job_id in (bare, copied, own.scheduler_job_id):
+        await moab.cancel(job_id)
+
+
 async def test_submitter_killed_after_msub_leaves_exactly_one_job(
     cluster: ms.MoabCluster, tmp_module: Path
 ) -> None:
@@ -337,17 +374,16 @@ async def test_hostile_strings_stay_literal(moab: MoabAdapter, cluster: ms.MoabC
     outcome = await ms.run_job(moab, wf, ms.spec(wf, body, environment=hostile))
     assert outcome.final.state == JobState.COMPLETED
     number = outcome.submitted.scheduler_job_id.split(".")[-1]
-    lines = cluster.output(f"vehpc-{wf}", number).read_text().splitlines()
-    assert lines == [*hostile.values(), f"vehpc-{wf}"], (
-        "values literal; the tenant's #MSUB/#PBS lines ignored"
-    )
+    name = cluster.moab.jobs[outcome.submitted.scheduler_job_id].name
+    lines = cluster.output(name, number).read_text().splitlines()
+    assert lines == [*hostile.values(), name], "values literal; the tenant's #MSUB/#PBS lines ignored"
     assert not marker.exists()
     job = cluster.moab.jobs[outcome.submitted.scheduler_job_id]
     assert job.job_class == "batch", "the tenant's #MSUB -q did not change the queue"
     if moab.config.transport == "ssh":
-        msubs = [r for r in cluster.moab.argv_log() if r["command"] == "msub" and f"vehpc-{wf}" in r["argv"]]
+        msubs = [r for r in cluster.moab.argv_log() if r["command"] == "msub" and name in r["argv"]]
         argv = msubs[0]["argv"]
-        assert argv[argv.index("-N") + 1] == f"vehpc-{wf}"
+        assert argv[argv.index("-N") + 1] == name
         assert argv[argv.index("-d") + 1] == str(cluster.output("x", "1").parent)
         assert not any(v in " ".join(argv) for v in hostile.values()), "tenant values never travel in argv"
 

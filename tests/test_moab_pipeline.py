@@ -15,6 +15,7 @@ from activities.schedulers.moab import MoabAdapter
 from tests import moab_support as ms
 from tests.conftest import make_config
 from tests.pipeline_harness import Pipeline, running_pipeline
+from virtengine_hpc.markers import claimed_workflow
 from virtengine_hpc.signing import Signer
 from virtengine_hpc.states import JobState
 from virtengine_hpc.usage import verify_record
@@ -83,5 +84,5 @@ async def test_every_outcome_through_moab(pipe: Pipeline, key_path: Path, cluste
         assert settlement is not None and settlement.charged + settlement.refunded == settlement.escrow
     # one MOAB job per chain job, each named after its workflow, in the queue the offering was priced for
     for label in ("success", "failure", "walltime", "cancelled"):
-        named = [j for j in cluster.moab.jobs.values() if j.name == f"vehpc-{jobs[label]}"]
+        named = [j for j in cluster.moab.jobs.values() if claimed_workflow(j.name) == jobs[label]]
         assert len(named) == 1 and named[0].job_class == "debug"

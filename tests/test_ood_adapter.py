@@ -27,6 +27,7 @@ from virtengine_hpc.errors import (
     SchedulerUnavailable,
     SecurityError,
 )
+from virtengine_hpc.markers import claimed_workflow
 from virtengine_hpc.models import JobSpec
 from virtengine_hpc.states import JobState
 from virtengine_hpc.tenancy import TenantAccountError
@@ -207,12 +208,11 @@ async def test_exactly_once_across_a_lost_answer_and_a_restarted_worker(
     finally:
         inner.backend.submit = real  # type: ignore[attr-defined]
     assert first.adopted
-    config = ood_config(cluster, idp, tmp_path)
-    restarted = OODAdapter.from_config(config, secrets(), config.hpc.cluster_id)
+    restarted = OODAdapter.from_config(ood.config, secrets(), ood.cluster_id)
     again = await restarted.submit(SubmitRequest(workflow_id=wf, job=job, body=job.script or ""))
     assert again == SubmitResult(scheduler_job_id=first.scheduler_job_id, adopted=True)
     assert await restarted.find(wf) == first.scheduler_job_id
-    assert [j.job_id for j in cluster.moab.jobs.values() if j.name == f"vehpc-{wf}"] == [
+    assert [j.job_id for j in cluster.moab.jobs.values() if claimed_workflow(j.name) == wf] == [
         first.scheduler_job_id.split("/")[1]
     ]
     await restarted.cancel(first.scheduler_job_id)

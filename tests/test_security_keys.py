@@ -142,7 +142,7 @@ async def test_slurm_over_ssh_refuses_a_host_it_cannot_verify(
             await adapter.status_batch(["1"])
     finally:
         await adapter.close()
-    assert sc.sacct_jobs_named(env, f"vehpc-{wf}") == []
+    assert sc.sacct_jobs_of(env, wf) == []
     assert wf not in sc.slurm_command(env, ["squeue", "-h", "-o", "%j"])
     if known_hosts is not None:
         assert known_hosts.read_text() == before, "the unknown key was not added"

@@ -27,7 +27,7 @@ import pytest
 
 from activities.schedulers.base import Accounting, NativeStatus, SubmitRequest, SubmitResult
 from activities.schedulers.slurm import SlurmAdapter
-from activities.schedulers.slurm.script import SubmitPlan, job_name
+from activities.schedulers.slurm.script import SubmitPlan
 from activities.schedulers.slurm.transports import SSHRunner
 from tests import slurm_cluster as sc
 from virtengine_hpc.errors import JobNotFound, SchedulerError, SchedulerUnavailable, SubmissionRejected
@@ -284,7 +284,7 @@ async def test_cpu_burner_usage_matches_sacct(
 
 
 async def test_hostile_environment_stays_literal_and_tenant_directives_are_ignored(
-    env: dict[str, Any], outcomes: dict[str, asyncio.Task[Outcome]]
+    env: dict[str, Any], slurm: SlurmAdapter, outcomes: dict[str, asyncio.Task[Outcome]]
 ) -> None:
     task = outcomes["hostile"]
     outcome = await task
@@ -297,7 +297,8 @@ async def test_hostile_environment_stays_literal_and_tenant_directives_are_ignor
         f"x; touch {marker}",
         'it\'s "quoted" \\ $HOME',
     ]
-    assert lines[4] == job_name(outcome.workflow_id), "the tenant's #SBATCH --job-name was ignored"
+    marked = slurm.job_name(slurm.owner(outcome.workflow_id))
+    assert lines[4] == marked, "the tenant's #SBATCH --job-name was ignored"
     assert lines[5] == env["partition"], "the tenant's #SBATCH --partition was ignored"
     assert not Path(marker).exists(), "no hostile string reached a shell"
 
@@ -368,7 +369,7 @@ async def test_job_that_can_never_start_fails_fast_and_is_cancelled(
     env: dict[str, Any], slurm: SlurmAdapter
 ) -> None:
     """A dependency on a cancelled job can never be satisfied: the job is failed now, not at job_timeout_default."""
-    name = job_name(wid("never"))
+    name = f"vehpc-{wid('never')}"
     # As the transport's own user: the adapter cancels its user's jobs (hpcuser may not cancel root's).
     as_user = [] if transport(slurm) == "cli" else ["runuser", "-u", env["job_user"], "--"]
     common = ["sbatch", "--parsable", "-J", name, "-o", "/dev/null", "--chdir=/tmp"]
@@ -429,7 +430,7 @@ async def test_lost_submit_answer_is_adopted_inside_the_adapter(
         assert len({r.scheduler_job_id for r in results}) == 1
         assert sorted(r.adopted for r in results) == [False, True, True]
         for w, expected in ((wf, result.scheduler_job_id), (wf2, results[0].scheduler_job_id)):
-            assert sc.controller_jobs_named(env, job_name(w)) == [expected], "exactly one Slurm job"
+            assert sc.controller_jobs_of(env, w) == [expected], "exactly one Slurm job"
             assert await sc.wait_in_accounting(env, w) == [expected], "and accounting agrees"
     finally:
         await adapter.close()
@@ -494,7 +495,7 @@ async def test_submitter_killed_after_sbatch_leaves_exactly_one_job(
             SubmitRequest(workflow_id=wf, job=sc.spec(wf, "true\n"), body="true\n")
         )
         assert recovered == SubmitResult(scheduler_job_id=job_id, adopted=True)
-        assert sc.controller_jobs_named(env, job_name(wf)) == [job_id]
+        assert sc.controller_jobs_of(env, wf) == [job_id]
         assert await sc.wait_in_accounting(env, wf) == [job_id]
     finally:
         await adapter.close()

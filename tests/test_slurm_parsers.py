@@ -17,13 +17,9 @@ import pytest
 from activities.schedulers.base import SubmitRequest
 from activities.schedulers.slurm import parsers as p
 from activities.schedulers.slurm.script import (
-    job_comment,
-    job_name,
-    parse_comment,
     plan_submission,
     render_batch_script,
     render_rest_job,
-    workflow_of,
 )
 from activities.schedulers.slurm.states import (
     NATIVE_STATES,
@@ -32,7 +28,8 @@ from activities.schedulers.slurm.states import (
     map_state,
     never_start_reason,
 )
-from virtengine_hpc.errors import ValidationError
+from virtengine_hpc.errors import SecurityError
+from virtengine_hpc.markers import bare_name
 from virtengine_hpc.models import JobSpec
 from virtengine_hpc.states import JobState
 
@@ -139,7 +136,7 @@ def test_squeue_adapter_format_with_terminated_fields() -> None:
     held, running = p.parse_squeue(line)
     assert held.alloc_tres["mem"] == 200 * 1024 * 1024
     assert held.start_time is None and held.submit_time == datetime.fromtimestamp(1796047047, UTC)
-    assert parse_comment(held.comment) == {"wf": "wf-1", "storage_gb": "5"}
+    assert held.comment == "vehpc;wf=wf-1;storage_gb=5" and held.name == "vehpc-wf-1"
     assert running.elapsed_seconds == 93784
     assert running.alloc_tres["gres/gpu"] == 2
     assert running.comment == ""
@@ -483,6 +480,7 @@ def test_script_directives_come_from_validated_values_and_env_stays_literal() ->
     spec = _spec()
     plan = plan_submission(
         SubmitRequest(workflow_id="JOB-1", job=spec, body=spec.script or ""),
+        name="vehpc-JOB-1.0123456789abcdef0123456789abcdef",
         cluster_id="c1",
         default_partition="debug",
         account="vehpc",
@@ -491,7 +489,7 @@ def test_script_directives_come_from_validated_values_and_env_stays_literal() ->
     script = render_batch_script(plan)
     directives = [line for line in script.splitlines() if line.startswith("#SBATCH")]
     assert directives[:3] == [
-        "#SBATCH --job-name=vehpc-JOB-1",
+        "#SBATCH --job-name=vehpc-JOB-1.0123456789abcdef0123456789abcdef",
         "#SBATCH --comment=vehpc;wf=JOB-1;storage_gb=7",
         "#SBATCH --partition=debug",
     ]
@@ -512,6 +510,7 @@ def test_rest_job_description_matches_the_script() -> None:
     spec = _spec()
     plan = plan_submission(
         SubmitRequest(workflow_id="JOB-1", job=spec, body=spec.script or ""),
+        name="vehpc-JOB-1.0123456789abcdef0123456789abcdef",
         cluster_id="c1",
         default_partition="debug",
         work_dir="/scratch/jobs",
@@ -519,7 +518,11 @@ def test_rest_job_description_matches_the_script() -> None:
     )
     body = render_rest_job(plan)
     job = body["job"]
-    assert job["name"] == "vehpc-JOB-1" and job["nodes"] == [2, 2] and job["tasks"] == 8
+    assert (
+        job["name"] == "vehpc-JOB-1.0123456789abcdef0123456789abcdef"
+        and job["nodes"] == [2, 2]
+        and job["tasks"] == 8
+    )
     assert job["memory_per_node"] == 300 and job["time_limit"] == 2 and job["hold"] is True
     assert job["environment"]["V0"] == HOSTILE[0] and job["environment"]["PATH"]
     assert job["standard_output"] == "/scratch/jobs/vehpc-JOB-1-%j.out"
@@ -539,11 +542,5 @@ def test_hostile_fields_are_refused_before_any_script_exists() -> None:
         _spec(environment={"X": "line1\nline2"})
     with pytest.raises(ValueError):
         _spec(environment={"SLURM_JOB_ID": "1"})
-    with pytest.raises(ValidationError):
-        job_name("bad id; x")
-
-
-def test_markers_round_trip() -> None:
-    assert workflow_of(job_name("JOB-7"), job_comment("JOB-7", 0)) == "JOB-7"
-    assert workflow_of("vehpc-JOB-7", "") == "JOB-7", "sites that do not store comments still match by name"
-    assert workflow_of("someone-else", "wf:other") is None
+    with pytest.raises(SecurityError):
+        bare_name("bad id; x")

@@ -137,7 +137,7 @@ async def test_a_tenant_without_an_account_is_refused_and_nothing_is_submitted(
         with pytest.raises(TenantAccountError, match="has no cluster account") as caught:
             await adapter.submit(SubmitRequest(workflow_id=wf, job=job, body="true\n", first_attempt=True))
         assert caught.value.code == "tenant_account_missing" and not caught.value.transient
-        assert sc.controller_jobs_named(env, f"vehpc-{wf}") == []
+        assert sc.controller_jobs_of(env, wf) == []
     finally:
         await adapter.close()
 
@@ -162,7 +162,7 @@ async def test_root_is_refused_as_a_tenant_account_everywhere(env: dict[str, Any
                 SubmitRequest(workflow_id=wf, job=sc.spec(wf, "id\n"), body="id\n", first_attempt=True)
             )
         assert caught.value.code == "tenant_account_refused"
-        assert sc.controller_jobs_named(env, f"vehpc-{wf}") == []
+        assert sc.controller_jobs_of(env, wf) == []
     finally:
         await shared.close()
 

@@ -136,7 +136,7 @@ async def test_a_late_duplicate_is_cancelled_by_one_sweep_and_the_workflows_job_
     job_id = pipe.submit(job_id=sc.workflow_id(SCOPE + "dup"), script="#!/bin/bash\nsleep 60\n")
     own = await named_job(pipe, job_id)
     zombie = await late_sbatch(pipe, job_id)
-    assert sorted(sc.controller_jobs_named(env, f"vehpc-{job_id}")) == sorted([own, zombie])
+    assert sorted(sc.controller_jobs_of(env, job_id)) == sorted([own, zombie])
 
     sweeper = sweep(pipe, env)
     await sweeper.adapter.status_batch([own])  # its first call checks the cluster (scontrol show config)

@@ -154,7 +154,10 @@ def test_gpu_template_gets_gres_from_the_slurm_script_builder() -> None:
     text = render(template, check_job(template, spec), spec, SLURM)
     script = render_batch_script(
         plan_submission(
-            SubmitRequest(workflow_id="JOB-1", job=spec, body=text), cluster_id="c1", default_partition="gpu"
+            SubmitRequest(workflow_id="JOB-1", job=spec, body=text),
+            name="vehpc-JOB-1",
+            cluster_id="c1",
+            default_partition="gpu",
         )
     )
     assert "#SBATCH --gres=gpu:a100:2" in script
@@ -179,6 +182,7 @@ async def test_a_template_for_whole_nodes_asks_every_scheduler_for_them(
         assert resolved.exclusive is whole
         plan = plan_submission(
             SubmitRequest(workflow_id="JOB-1", job=spec, body=resolved.text, exclusive=resolved.exclusive),
+            name="vehpc-JOB-1",
             cluster_id="c1",
             default_partition="debug",
             work_dir="/srv/jobs",

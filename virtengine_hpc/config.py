@@ -7,7 +7,8 @@ and say why; the reference of every key is ``docs/configuration.md``, generated 
 ``scripts/gen-config-doc.py``.
 
 Credentials never come from the file (invariant 8 in docs/architecture.md): they are read only from ``SLURM_JWT_TOKEN``,
-``MOAB_USERNAME``, ``MOAB_PASSWORD``, ``OOD_OIDC_CLIENT_SECRET`` and ``PROVIDER_SIGNING_KEY_PATH``, and a
+``MOAB_USERNAME``, ``MOAB_PASSWORD``, ``OOD_OIDC_CLIENT_SECRET``, ``PROVIDER_SIGNING_KEY_PATH`` and
+``PROVIDER_MARKER_SECRET``, and a
 configuration (file or override) that holds a credential-like key at any depth is refused. Only worker-side
 code reads configuration; workflows get what they need in their input.
 """
@@ -1091,6 +1092,9 @@ class Secrets(BaseModel):
     moab_password: SecretStr | None = None
     ood_oidc_client_secret: SecretStr | None = None
     provider_signing_key_path: Path | None = None
+    marker_secret: SecretStr | None = None
+    """Keys the adoption markers of scheduler jobs (``virtengine_hpc.markers``); default: derived from the
+    provider's signing key."""
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Secrets:
@@ -1107,6 +1111,7 @@ class Secrets(BaseModel):
             moab_password=SecretStr(v) if (v := get("MOAB_PASSWORD")) else None,
             ood_oidc_client_secret=SecretStr(v) if (v := get("OOD_OIDC_CLIENT_SECRET")) else None,
             provider_signing_key_path=Path(key_path) if key_path else None,
+            marker_secret=SecretStr(v) if (v := get("PROVIDER_MARKER_SECRET")) else None,
         )
 
 
@@ -1116,6 +1121,7 @@ SECRET_ENV_VARS = (
     "MOAB_PASSWORD",
     "OOD_OIDC_CLIENT_SECRET",
     "PROVIDER_SIGNING_KEY_PATH",
+    "PROVIDER_MARKER_SECRET",
 )
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import hmac
 import json
 import os
 import stat
@@ -114,6 +115,14 @@ class Signer:
 
     def sign(self, payload: bytes) -> str:
         return base64.b64encode(self._key.sign(payload)).decode()
+
+    def derive_secret(self, domain: str) -> bytes:
+        """A 32-byte secret for one other purpose (``domain``), derived from the private key by HMAC-SHA256: it
+        reveals nothing of the key, and every holder of the key derives the same one."""
+        seed = self._key.private_bytes(
+            serialization.Encoding.Raw, serialization.PrivateFormat.Raw, serialization.NoEncryption()
+        )
+        return hmac.new(seed, domain.encode(), hashlib.sha256).digest()
 
     @classmethod
     def generate(cls) -> Signer:

@@ -23,6 +23,7 @@ exceptions (``virtengine_hpc.errors``) into Temporal errors. The contract, which
 from __future__ import annotations
 
 import abc
+import logging
 from collections.abc import Callable, Iterable
 from datetime import datetime
 from typing import ClassVar
@@ -33,6 +34,8 @@ from virtengine_hpc.config import Config, Secrets
 from virtengine_hpc.metering import Reading
 from virtengine_hpc.models import JobSpec, Model
 from virtengine_hpc.states import JobState
+
+log = logging.getLogger(__name__)
 
 
 class SubmitRequest(Model):
@@ -80,6 +83,19 @@ class MarkedJob(Model):
     final: bool = False
     name: str = Field("", description="The job's name on the scheduler.")
     user: str = Field("", description="The account the scheduler says the job runs as.")
+
+
+class RefusedAdoption(Model):
+    """A scheduler job that looked like a workflow's own and was not adopted (a look-alike: its name carries no
+    valid marker for the expected account, or it runs as another account)."""
+
+    workflow_id: str
+    cluster_id: str
+    scheduler_job_id: str
+    job_name: str = ""
+    user: str = Field("", description="The account the scheduler says the job runs as.")
+    expected_account: str = ""
+    reason: str
 
 
 class NativeStatus(Model):
@@ -131,8 +147,11 @@ class SchedulerAdapter(abc.ABC):
         so a retry adopts the job without a lookup)."""
 
     @abc.abstractmethod
-    async def find(self, workflow_id: str) -> str | None:
-        """The scheduler job id that carries ``workflow_id``, if any (queue or accounting)."""
+    async def find(self, workflow_id: str, tenant: str | None = None) -> str | None:
+        """The scheduler job id that carries ``workflow_id``'s marker, if any (queue or accounting).
+
+        ``tenant``: whose job it is; the account its jobs run as decides which job counts (None: the provider's
+        own submit account)."""
 
     @abc.abstractmethod
     async def status_batch(self, scheduler_job_ids: Iterable[str]) -> dict[str, NativeStatus]:
@@ -158,6 +177,26 @@ class SchedulerAdapter(abc.ABC):
 
         Adapters that cannot list their jobs raise ``NotImplementedError``: the sweep is then off for them."""
         raise NotImplementedError(f"{self.name} cannot list its jobs")
+
+    def on_refused_adoption(self, listener: Callable[[RefusedAdoption], None]) -> None:
+        """Hear about every look-alike this adapter refuses to adopt (the job activities audit them)."""
+        self.__dict__.setdefault("_refusal_listeners", []).append(listener)
+
+    def refuse_adoption(self, refusal: RefusedAdoption) -> None:
+        """Report a look-alike: logged, and passed to every listener."""
+        log.warning(
+            "workflow %s: not adopting scheduler job %s on %s (%s)",
+            refusal.workflow_id,
+            refusal.scheduler_job_id,
+            refusal.cluster_id,
+            refusal.reason,
+        )
+        self.tell_refused(refusal)
+
+    def tell_refused(self, refusal: RefusedAdoption) -> None:
+        """Pass a refusal to the listeners only (an adapter relaying its inner adapter's, already logged)."""
+        for listener in self.__dict__.get("_refusal_listeners", []):
+            listener(refusal)
 
     async def drain_node(self, node: str, reason: str) -> None:
         raise NotImplementedError(f"{self.name} cannot drain nodes")

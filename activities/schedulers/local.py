@@ -45,6 +45,7 @@ from activities.schedulers import local_supervisor as sup
 from activities.schedulers.base import (
     Accounting,
     NativeStatus,
+    RefusedAdoption,
     SchedulerAdapter,
     SubmitRequest,
     SubmitResult,
@@ -59,6 +60,7 @@ from virtengine_hpc.errors import (
     SchedulerUnavailable,
     SubmissionRejected,
 )
+from virtengine_hpc.markers import MarkerKey, load_key, marker_tag, verify_marker
 from virtengine_hpc.metering import Reading
 from virtengine_hpc.models import Resources
 from virtengine_hpc.states import JobState
@@ -178,7 +180,10 @@ class LocalAdapter(SchedulerAdapter):
         state_dir: Path,
         cluster_id: str,
         accounts: TenantAccounts | None = None,
+        markers: MarkerKey | None = None,
     ) -> None:
+        """``markers``: the provider's marker key (``from_config`` loads it; default: the one generated in
+        ``state_dir``, which every adapter of that directory shares)."""
         if not config.allow_unisolated:
             raise ConfigError(
                 f"cluster {cluster_id} uses the local executor, which is no multi-tenant sandbox: it runs only "
@@ -199,6 +204,8 @@ class LocalAdapter(SchedulerAdapter):
                 "read (demos on a developer's machine only; docs/security.md)."
             )
         self.state_dir = Path(state_dir)
+        self.markers = markers or load_key(Secrets(), self.state_dir)
+        self.account = pwd.getpwuid(os.getuid()).pw_name
         self._jobs = self.state_dir / "jobs"
         self._slots = self.state_dir / "slots"
         self._tmp = self.state_dir / "tmp"
@@ -226,7 +233,9 @@ class LocalAdapter(SchedulerAdapter):
     def from_config(cls, config: Config, secrets: Secrets, cluster_id: str) -> LocalAdapter:
         """The worker's local executor: ``hpc.local`` settings, jobs under ``Config.local_state_dir``, each run as
         its tenant's account (``hpc.tenants``)."""
-        return cls(config.hpc.local, config.local_state_dir, cluster_id, TenantAccounts.from_config(config))
+        state_dir = config.local_state_dir
+        markers = load_key(secrets or Secrets(), state_dir)
+        return cls(config.hpc.local, state_dir, cluster_id, TenantAccounts.from_config(config), markers)
 
     @staticmethod
     def _check_reachable(path: Path) -> None:
@@ -288,7 +297,7 @@ class LocalAdapter(SchedulerAdapter):
             on_submitted(result.scheduler_job_id)
         return result
 
-    async def find(self, workflow_id: str) -> str | None:
+    async def find(self, workflow_id: str, tenant: str | None = None) -> str | None:
         return await asyncio.to_thread(self._find, workflow_id)
 
     async def status_batch(self, scheduler_job_ids: Iterable[str]) -> dict[str, NativeStatus]:
@@ -312,6 +321,8 @@ class LocalAdapter(SchedulerAdapter):
             raise SubmissionRejected(refusal)
         job_id = scheduler_job_id(request.workflow_id)
         jobdir = self._jobs / job_id
+        if jobdir.is_dir() and not self._owned(request.workflow_id, job_id):
+            self._set_aside(jobdir, job_id)
         if not jobdir.is_dir():
             self._create_job_dir(request, job_id, jobdir, self._run_as(request.job.tenant))
         meta = self._meta(job_id)
@@ -321,6 +332,50 @@ class LocalAdapter(SchedulerAdapter):
                 f"{request.workflow_id!r} (hash collision or a damaged state directory)"
             )
         return self._launch(jobdir, job_id)
+
+    def _tag(self, workflow_id: str) -> str:
+        return marker_tag(
+            self.markers, cluster_id=self.cluster_id, account=self.account, workflow_id=workflow_id
+        )
+
+    def _owned(self, workflow_id: str, job_id: str) -> bool:
+        """Whether the job directory carries the workflow's marker; a look-alike is refused and reported."""
+        try:
+            meta = self._meta(job_id)
+        except SchedulerError:
+            meta = {}
+        tag = meta.get("adoption_marker")
+        if meta.get("workflow_id") == workflow_id and verify_marker(
+            self.markers,
+            cluster_id=self.cluster_id,
+            account=self.account,
+            workflow_id=workflow_id,
+            tag=tag if isinstance(tag, str) else "",
+        ):
+            return True
+        self.refuse_adoption(
+            RefusedAdoption(
+                workflow_id=workflow_id,
+                cluster_id=self.cluster_id,
+                scheduler_job_id=job_id,
+                user=self.account,
+                expected_account=self.account,
+                reason="its job directory carries no valid marker of the workflow",
+            )
+        )
+        return False
+
+    def _set_aside(self, jobdir: Path, job_id: str) -> None:
+        """Move a look-alike's directory out of the way (kept for inspection under ``tmp/``), so the workflow's
+        own job can be made under its id."""
+        aside = self._tmp / f"{job_id}.lookalike-{time.time_ns()}"
+        self._meta_cache.pop(job_id, None)
+        try:
+            os.rename(jobdir, aside)
+        except FileNotFoundError:
+            return
+        except OSError as exc:
+            raise SchedulerUnavailable(f"cannot set aside the look-alike local job {job_id}: {exc}") from exc
 
     def _run_as(self, tenant: str) -> dict[str, Any] | None:
         """The account a job of ``tenant`` runs as (``None``: the worker's own, with isolation none).
@@ -414,6 +469,7 @@ class LocalAdapter(SchedulerAdapter):
         return {
             "version": 1,
             "workflow_id": request.workflow_id,
+            "adoption_marker": self._tag(request.workflow_id),
             "scheduler_job_id": job_id,
             "cluster_id": self.cluster_id,
             "submit_time": time.time(),
@@ -562,8 +618,7 @@ class LocalAdapter(SchedulerAdapter):
         # yet, and the caller's submit will launch it.
         if not (jobdir / sup.STARTED).exists():
             return None
-        meta = self._meta(job_id)
-        return job_id if meta.get("workflow_id") == workflow_id else None
+        return job_id if self._owned(workflow_id, job_id) else None
 
     def _meta(self, job_id: str) -> dict[str, Any]:
         meta = self._meta_cache.get(job_id)

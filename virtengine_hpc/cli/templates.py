@@ -249,10 +249,13 @@ def cmd_render(args: argparse.Namespace) -> int:
     if args.full and args.scheduler == "slurm":
         from activities.schedulers.base import SubmitRequest
         from activities.schedulers.slurm.script import plan_submission, render_batch_script
+        from virtengine_hpc.markers import bare_name
 
         request = SubmitRequest(workflow_id=job.job_id, job=job, body=body)
+        # A preview: the real job name also carries the workflow's adoption marker (``.<tag>``).
+        name = bare_name(job.job_id)
         body = render_batch_script(
-            plan_submission(request, cluster_id="cluster", default_partition="default")
+            plan_submission(request, name=name, cluster_id="cluster", default_partition="default")
         )
     sys.stdout.write(body)
     return 0

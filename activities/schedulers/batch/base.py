@@ -10,7 +10,12 @@ scheduler only contributes command builders, parsers and a state table.
   adopts it; it looks again before every retry inside the adapter, because a submission whose answer was lost
   (timeout, dropped connection, a worker killed between "accepted" and "returned") may well have created the
   job. A first attempt (nothing before it can have created a job) submits without looking; a retry that knows
-  the job id its predecessor heartbeated adopts it without looking.
+  the job id its predecessor heartbeated adopts it once it sees that job carry the marker.
+* **Markers a tenant cannot forge.** Tenants can submit jobs too, named as they like. A job's name is
+  ``vehpc-<workflow id>.<tag>``, the tag an HMAC under the provider's secret over cluster, account and workflow
+  id (``virtengine_hpc.markers``); only a job whose name carries the tag for the account the job must run as,
+  and which runs as that account, is ever adopted, kept or counted as a duplicate. Anything else under the
+  workflow's names is a look-alike: refused and reported (``SchedulerAdapter.refuse_adoption``), never adopted.
 * **Reconciliation after every submit.** Two attempts of one submission can race (a timed-out attempt still
   running beside its retry, on another worker) and both submit. So after every submission or adoption the
   adapter asks which jobs carry the workflow id, keeps the oldest and cancels the others. Scheduler job ids grow
@@ -37,9 +42,10 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Generic, Protocol, TypeVar
 
-from activities.schedulers.base import SchedulerAdapter, SubmitRequest, SubmitResult
+from activities.schedulers.base import RefusedAdoption, SchedulerAdapter, SubmitRequest, SubmitResult
 from virtengine_hpc.config import RetryConfig
 from virtengine_hpc.errors import SchedulerError, SchedulerUnavailable
+from virtengine_hpc.markers import MarkerKey, bare_name, marked_name, marked_workflow
 from virtengine_hpc.tenancy import TenantAccountError
 
 log = logging.getLogger(__name__)
@@ -183,16 +189,37 @@ class Coalescer(Generic[K, V]):
 
 @dataclass(frozen=True)
 class Candidate:
-    """A scheduler job that carries a workflow id (what ``find`` found)."""
+    """A scheduler job whose name claims a workflow (what the name lookups found).
+
+    ``name`` and ``user`` are what the scheduler says the job is called and runs as: the base adopts it only if
+    the name carries the workflow's marker for the account it expects and the job runs as that very account."""
 
     scheduler_job_id: str
     final: bool = False
+    name: str = ""
+    user: str = ""
 
     @property
     def order(self) -> tuple[int, str]:
         """Submission order: the number in the id (``4711``, MOAB's ``Moab.4711``), else after every numbered id."""
         number = _JOB_NUMBER.search(self.scheduler_job_id)
         return (int(number.group(1)), self.scheduler_job_id) if number else (1 << 62, self.scheduler_job_id)
+
+
+@dataclass(frozen=True)
+class Owner:
+    """Whose job a lookup asks for: the workflow, and the account its job must run as."""
+
+    workflow_id: str
+    account: str
+
+
+@dataclass
+class Lookup:
+    """What the scheduler holds under a workflow's names: its own jobs, and look-alikes never to adopt."""
+
+    adoptable: list[Candidate] = field(default_factory=list)
+    lookalikes: list[tuple[Candidate, str]] = field(default_factory=list)
 
 
 class CommandExecutor:
@@ -264,32 +291,39 @@ class _Gate:
 class BatchSchedulerAdapter(SchedulerAdapter, abc.ABC):
     """Base of batch-scheduler adapters: retries, exactly-once submission, coalesced lookups, reconciliation.
 
-    Subclasses implement ``_lookup`` (all jobs carrying each of several workflow ids, from queue *and*
-    accounting), ``_submit_new`` (one submission, no lookup), ``_cancel_many`` and the status/usage methods;
-    ``_lookup_live`` (the jobs the scheduler still holds) when that is cheaper than ``_lookup``.
+    Subclasses implement ``_jobs_named`` (every job, queued, running or ended, from queue *and* accounting, with
+    one of several names), ``_submit_new`` (one submission, no lookup), ``_cancel_many``, ``_submit_account``
+    and the status/usage methods; ``_live_jobs_named`` (the jobs the scheduler still holds) when that is cheaper.
+    The base decides which of the jobs found are a workflow's own (``virtengine_hpc.markers``).
     """
 
-    def __init__(self, *, backoff: Backoff) -> None:
+    cluster_id: str = ""
+
+    def __init__(self, *, backoff: Backoff, markers: MarkerKey | None = None) -> None:
         self.backoff = backoff
-        self._finder: Coalescer[str, list[Candidate]] = Coalescer(self._lookup)
-        self._live_finder: Coalescer[str, list[Candidate]] = Coalescer(self._lookup_live)
+        self.markers = markers or MarkerKey.ephemeral()
+        self._finder: Coalescer[Owner, Lookup] = Coalescer(lambda owners: self._lookup(owners, live=False))
+        self._live_finder: Coalescer[Owner, Lookup] = Coalescer(
+            lambda owners: self._lookup(owners, live=True)
+        )
         # Submits of one workflow id in this process run one at a time (an attempt that outlived its timeout
         # and its retry on the same worker need not race each other).
         self._submitting: dict[str, _Gate] = {}
         # Reconciliations that outlive the attempt that started them (see ``_submit_then_check``).
         self._background: set[asyncio.Task[SubmitResult | None]] = set()
+        self._refused_seen: set[str] = set()
 
     # ---- hooks ---------------------------------------------------------------------------------------------
     @abc.abstractmethod
-    async def _lookup(self, workflow_ids: list[str]) -> dict[str, list[Candidate]]:
-        """Every job (queued, running or ended) carrying each workflow id; raises ``SchedulerUnavailable``."""
+    async def _jobs_named(self, names: list[str]) -> list[Candidate]:
+        """Every job (queued, running or ended) with one of ``names``; raises ``SchedulerUnavailable``."""
 
-    async def _lookup_live(self, workflow_ids: list[str]) -> dict[str, list[Candidate]]:
-        """The jobs carrying each workflow id that the scheduler itself still holds (ended ones for a while).
+    async def _live_jobs_named(self, names: list[str]) -> list[Candidate]:
+        """The jobs with one of ``names`` that the scheduler itself still holds (ended ones for a while).
 
         Enough for the check after a submit: a duplicate from a racing attempt was submitted seconds ago.
-        Defaults to ``_lookup``; override when the scheduler's own view is cheaper than its accounting."""
-        return await self._lookup(workflow_ids)
+        Defaults to ``_jobs_named``; override when the scheduler's own view is cheaper than its accounting."""
+        return await self._jobs_named(names)
 
     @abc.abstractmethod
     async def _submit_new(self, request: SubmitRequest) -> str:
@@ -299,37 +333,114 @@ class BatchSchedulerAdapter(SchedulerAdapter, abc.ABC):
     async def _cancel_many(self, scheduler_job_ids: Sequence[str]) -> None:
         """Cancel jobs; ended or unknown jobs are not an error."""
 
+    @abc.abstractmethod
+    def _submit_account(self) -> str:
+        """The account this adapter's commands run as on the scheduler (its jobs run as it too)."""
+
+    # ---- markers -------------------------------------------------------------------------------------------
+    def expected_account(self, tenant: str) -> str | None:
+        """Today every job of a batch scheduler runs as the submit account, whatever its tenant."""
+        return self._submit_account()
+
+    def account_for(self, tenant: str | None) -> str:
+        """The account a job of ``tenant`` runs as, hence the account its marker is bound to and its job must
+        run under to be adopted: the one place adoption asks (``expected_account``; the submit account when
+        the tenant is unknown, as for a lookup by workflow id alone)."""
+        return (self.expected_account(tenant) if tenant is not None else None) or self._submit_account()
+
+    def owner(self, workflow_id: str, tenant: str | None = None) -> Owner:
+        return Owner(workflow_id, self.account_for(tenant))
+
+    def job_name(self, owner: Owner) -> str:
+        """The name of the owner's job: ``vehpc-<workflow id>.<tag>``, the tag binding cluster and account."""
+        return marked_name(
+            self.markers, cluster_id=self.cluster_id, account=owner.account, workflow_id=owner.workflow_id
+        )
+
+    async def _lookup(self, owners: list[Owner], *, live: bool) -> dict[Owner, Lookup]:
+        """The jobs of each owner, and the look-alikes under its bare name (``vehpc-<workflow id>``, untagged)."""
+        by_name: dict[str, list[Owner]] = {}
+        for owner in owners:
+            by_name.setdefault(self.job_name(owner), []).append(owner)
+            by_name.setdefault(bare_name(owner.workflow_id), []).append(owner)
+        names = list(by_name)
+        jobs = await (self._live_jobs_named(names) if live else self._jobs_named(names))
+        out: dict[Owner, Lookup] = {owner: Lookup() for owner in owners}
+        for job in jobs:
+            for owner in by_name.get(job.name, []):
+                why = self._refusal(owner, job)
+                if why is None:
+                    out[owner].adoptable.append(job)
+                else:
+                    out[owner].lookalikes.append((job, why))
+        return out
+
+    def _refusal(self, owner: Owner, job: Candidate) -> str | None:
+        """Why ``job`` is not the owner's own (``None``: it is)."""
+        if (
+            marked_workflow(self.markers, cluster_id=self.cluster_id, account=owner.account, name=job.name)
+            != owner.workflow_id
+        ):
+            return "its name carries no valid marker of the workflow"
+        if job.user != owner.account:
+            return f"it runs as {job.user or 'an unknown account'!r}, not as {owner.account!r}"
+        return None
+
+    async def _looked_up(self, owner: Owner, *, live: bool) -> list[Candidate]:
+        """The owner's own jobs; every look-alike found on the way is refused (logged, audited once)."""
+        lookup = await (self._live_finder if live else self._finder).get(owner) or Lookup()
+        for job, why in lookup.lookalikes:
+            self._refuse(owner, job, why)
+        # A job both views know is listed twice (accounting, then the controller): the later record wins.
+        return list({c.scheduler_job_id: c for c in lookup.adoptable}.values())
+
+    def _refuse(self, owner: Owner, job: Candidate, why: str) -> None:
+        if job.scheduler_job_id in self._refused_seen:
+            return
+        if len(self._refused_seen) >= 10_000:
+            self._refused_seen.clear()
+        self._refused_seen.add(job.scheduler_job_id)
+        self.refuse_adoption(
+            RefusedAdoption(
+                workflow_id=owner.workflow_id,
+                cluster_id=self.cluster_id,
+                scheduler_job_id=job.scheduler_job_id,
+                job_name=job.name[:300],
+                user=job.user[:64],
+                expected_account=owner.account,
+                reason=why,
+            )
+        )
+
     # ---- exactly-once submission ---------------------------------------------------------------------------
     async def submit(
         self, request: SubmitRequest, *, on_submitted: Callable[[str], None] | None = None
     ) -> SubmitResult:
         """Adopt the workflow's job if an attempt made one, else submit it; then reconcile duplicates.
 
-        A retry looks the job up first (and again before every retry inside the adapter); a first attempt and
-        a retry that knows its job (``known_job_id``) do not."""
+        A retry looks the job up first (and again before every retry inside the adapter); a first attempt does
+        not, and a retry that knows its job (``known_job_id``) adopts it once it is seen carrying the marker."""
+        owner = await asyncio.to_thread(self.owner, request.workflow_id, request.job.tenant)
         if request.known_job_id is not None:
-            log.info(
-                "workflow %s: adopting scheduler job %s (heartbeated)",
-                request.workflow_id,
-                request.known_job_id,
-            )
-            return await retrying(
-                lambda: self._check(request.workflow_id, request.known_job_id or "", adopted=True),
+            known = await retrying(
+                lambda: self._known(owner, request.known_job_id or ""),
                 self.backoff,
                 f"check {request.workflow_id}",
             )
-        look_first = not request.first_attempt
+            if known is not None:
+                return known
+        look_first = not request.first_attempt or request.known_job_id is not None
 
         async def attempt() -> SubmitResult:
             nonlocal look_first
             if look_first:
-                existing = await self._find_once(request.workflow_id)
+                existing = await self._find_once(owner)
                 if existing is not None:
                     log.info("workflow %s: adopting scheduler job %s", request.workflow_id, existing)
-                    return await self._check(request.workflow_id, existing, adopted=True)
+                    return await self._check(owner, existing, adopted=True)
             alone_until = None if look_first else request.alone_until
             look_first = True  # a failed submission may have created the job: look before trying again
-            return await self._submit_then_check(request, on_submitted, alone_until)
+            return await self._submit_then_check(request, owner, on_submitted, alone_until)
 
         gate = self._submitting.setdefault(request.workflow_id, _Gate())
         gate.users += 1
@@ -341,9 +452,26 @@ class BatchSchedulerAdapter(SchedulerAdapter, abc.ABC):
             if gate.users == 0:
                 del self._submitting[request.workflow_id]
 
+    async def _known(self, owner: Owner, job_id: str) -> SubmitResult | None:
+        """The job an earlier attempt heartbeated, adopted once it is seen carrying the owner's marker (the
+        controller's view, else accounting's); ``None`` when it is not the owner's (refused, audited)."""
+        for live in (True, False):
+            own = await self._looked_up(owner, live=live)
+            if any(c.scheduler_job_id == job_id for c in own):
+                log.info("workflow %s: adopting scheduler job %s (heartbeated)", owner.workflow_id, job_id)
+                # The controller's view just read is the check's own: no second query.
+                return await self._check(owner, job_id, adopted=True, found=own if live else None)
+        self._refuse(
+            owner,
+            Candidate(job_id),
+            "the job an earlier attempt heartbeated is not found carrying the workflow's marker",
+        )
+        return None
+
     async def _submit_then_check(
         self,
         request: SubmitRequest,
+        owner: Owner,
         on_submitted: Callable[[str], None] | None,
         alone_until: datetime | None = None,
     ) -> SubmitResult:
@@ -356,13 +484,13 @@ class BatchSchedulerAdapter(SchedulerAdapter, abc.ABC):
         try:
             job_id = await self._submit_new(request)
         except asyncio.CancelledError:
-            self._in_background(self._reconcile_workflow(request.workflow_id))
+            self._in_background(self._reconcile_workflow(owner))
             raise
         if on_submitted is not None:
             on_submitted(job_id)
         if alone_until is not None and datetime.now(UTC) < alone_until:
             return SubmitResult(scheduler_job_id=job_id)
-        check = self._in_background(self._check(request.workflow_id, job_id, adopted=False))
+        check = self._in_background(self._check(owner, job_id, adopted=False))
         result = await asyncio.shield(check)
         assert result is not None
         return result
@@ -378,40 +506,48 @@ class BatchSchedulerAdapter(SchedulerAdapter, abc.ABC):
         if not task.cancelled() and task.exception() is not None:  # nobody may be waiting for it any more
             log.warning("reconciliation after a submit failed: %s", task.exception())
 
-    async def _reconcile_workflow(self, workflow_id: str) -> None:
+    async def _reconcile_workflow(self, owner: Owner) -> None:
         """After a submission cancelled in flight: whatever it created is reconciled with its siblings."""
         try:
-            await retrying(lambda: self._find_once(workflow_id), self.backoff, f"reconcile {workflow_id}")
+            await retrying(lambda: self._find_once(owner), self.backoff, f"reconcile {owner.workflow_id}")
         except SchedulerError as exc:  # a retry's own lookup or check reconciles later
             log.warning(
-                "workflow %s: could not look for duplicates after a cancelled submit: %s", workflow_id, exc
+                "workflow %s: could not look for duplicates after a cancelled submit: %s",
+                owner.workflow_id,
+                exc,
             )
         return None
 
-    async def _check(self, workflow_id: str, job_id: str, *, adopted: bool) -> SubmitResult:
-        """The job this attempt submitted or adopted, checked against every job the scheduler holds for the
-        workflow: the oldest is kept (and returned), the others are cancelled."""
-        found = {c.scheduler_job_id: c for c in await self._live_finder.get(workflow_id) or []}
-        found.setdefault(job_id, Candidate(job_id))
-        keep, *extra = sorted(found.values(), key=lambda c: c.order)
-        cancelled = await self._reconcile(workflow_id, keep, extra) if extra else []
+    async def _check(
+        self, owner: Owner, job_id: str, *, adopted: bool, found: list[Candidate] | None = None
+    ) -> SubmitResult:
+        """The job this attempt submitted or adopted, checked against every job of the owner the scheduler
+        holds (``found``: the controller's view, when the caller just read it): the oldest is kept (and
+        returned), the others are cancelled. Look-alikes take no part."""
+        if found is None:
+            found = await self._looked_up(owner, live=True)
+        by_id = {c.scheduler_job_id: c for c in found}
+        by_id.setdefault(job_id, Candidate(job_id))
+        keep, *extra = sorted(by_id.values(), key=lambda c: c.order)
+        cancelled = await self._reconcile(owner.workflow_id, keep, extra) if extra else []
         return SubmitResult(
             scheduler_job_id=keep.scheduler_job_id,
             adopted=adopted or keep.scheduler_job_id != job_id,
             duplicates_cancelled=cancelled,
         )
 
-    async def find(self, workflow_id: str) -> str | None:
-        return await retrying(lambda: self._find_once(workflow_id), self.backoff, f"find {workflow_id}")
+    async def find(self, workflow_id: str, tenant: str | None = None) -> str | None:
+        owner = await asyncio.to_thread(self.owner, workflow_id, tenant)
+        return await retrying(lambda: self._find_once(owner), self.backoff, f"find {workflow_id}")
 
-    async def _find_once(self, workflow_id: str) -> str | None:
-        candidates = await self._finder.get(workflow_id) or []
+    async def _find_once(self, owner: Owner) -> str | None:
+        candidates = await self._looked_up(owner, live=False)
         if not candidates:
             return None
         ordered = sorted(candidates, key=lambda c: c.order)
         keep, extra = ordered[0], ordered[1:]
         if extra:
-            await self._reconcile(workflow_id, keep, extra)
+            await self._reconcile(owner.workflow_id, keep, extra)
         return keep.scheduler_job_id
 
     async def _reconcile(self, workflow_id: str, keep: Candidate, extra: list[Candidate]) -> list[str]:

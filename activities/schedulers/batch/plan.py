@@ -1,9 +1,9 @@
 """What a batch submission says, scheduler-neutral: the job name and comment that carry the workflow id, and the
 validated plan (resources, walltime, environment) every scheduler's script builder renders.
 
-The workflow id is in the job name (``vehpc-<workflow id>``) and, where the scheduler keeps one, in the comment, so
-that a retried submit finds the job an earlier attempt made (``find``) and adopts it instead of submitting again
-(invariant 2 in docs/architecture.md). Environment values become ``export NAME='value'`` lines quoted with ``shlex.quote``.
+The job name is the workflow's marker (``vehpc-<workflow id>.<tag>``, ``virtengine_hpc.markers``), which the adapter
+computes and passes in: a retried submit finds the job an earlier attempt made (``find``) and adopts it instead of
+submitting again (invariant 2 in docs/architecture.md), and no tenant can name a job so that it is adopted. Environment values become ``export NAME='value'`` lines quoted with ``shlex.quote``.
 """
 
 from __future__ import annotations
@@ -15,48 +15,18 @@ from dataclasses import dataclass, field
 
 from activities.schedulers.base import SubmitRequest
 from virtengine_hpc.errors import ValidationError
+from virtengine_hpc.markers import bare_name
 
-JOB_NAME_PREFIX = "vehpc-"
 COMMENT_PREFIX = "vehpc"
 #: The environment every job starts from (sbatch runs with --export=NONE; slurmrestd takes exactly what it gets).
 BASE_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 DIRECTIVE_VALUE = re.compile(r"^[A-Za-z0-9_.:/;=%+-]{1,1024}$")
-_WORKFLOW_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
-
-
-def job_name(workflow_id: str) -> str:
-    """The Slurm job name that marks a workflow's job (``squeue --name`` / ``sacct --name`` find it)."""
-    if not _WORKFLOW_ID.fullmatch(workflow_id):
-        raise ValidationError(f"workflow id {workflow_id[:80]!r} is not a valid identifier")
-    return JOB_NAME_PREFIX + workflow_id
 
 
 def job_comment(workflow_id: str, storage_gb: int) -> str:
-    """``vehpc;wf=<id>;storage_gb=<n>``: the marker, plus what accounting needs later and cannot tell."""
+    """``vehpc;wf=<id>;storage_gb=<n>``: for people reading the queue. Nothing is ever read back from it (the
+    job's owner can edit it); the workflow's marker is in the name."""
     return f"{COMMENT_PREFIX};wf={workflow_id};storage_gb={storage_gb}"
-
-
-def parse_comment(comment: str) -> dict[str, str]:
-    """The ``key=value`` items of a comment written by ``job_comment`` (empty for anyone else's)."""
-    parts = comment.strip().split(";")
-    if not parts or parts[0] != COMMENT_PREFIX:
-        return {}
-    out: dict[str, str] = {}
-    for item in parts[1:]:
-        key, sep, value = item.partition("=")
-        if sep:
-            out[key] = value
-    return out
-
-
-def workflow_of(name: str, comment: str) -> str | None:
-    """The workflow id a job carries: from its comment, else from its name (sites that do not store comments)."""
-    marked = parse_comment(comment).get("wf")
-    if marked:
-        return marked
-    if name.startswith(JOB_NAME_PREFIX):
-        return name[len(JOB_NAME_PREFIX) :]
-    return None
 
 
 @dataclass(frozen=True)
@@ -65,6 +35,8 @@ class SubmitPlan:
 
     job_name: str
     comment: str
+    file_stem: str
+    """Output files are ``<file_stem>-<job id>.out``/``.err`` (``vehpc-<workflow id>``, without the tag)."""
     partition: str
     nodes: int
     tasks_per_node: int
@@ -84,11 +56,11 @@ class SubmitPlan:
 
     @property
     def output_file(self) -> str:
-        return f"{self.job_name}-%j.out"
+        return f"{self.file_stem}-%j.out"
 
     @property
     def error_file(self) -> str:
-        return f"{self.job_name}-%j.err"
+        return f"{self.file_stem}-%j.err"
 
     @property
     def gres(self) -> str | None:
@@ -100,6 +72,7 @@ class SubmitPlan:
 def plan_submission(
     request: SubmitRequest,
     *,
+    name: str,
     cluster_id: str,
     default_partition: str,
     account: str | None = None,
@@ -108,7 +81,6 @@ def plan_submission(
     hold: bool = False,
 ) -> SubmitPlan:
     job, res = request.job, request.job.resources
-    name = job_name(request.workflow_id)
     workdir = job.working_directory or work_dir
     env = {
         "VIRTENGINE_JOB_ID": job.job_id,
@@ -131,6 +103,7 @@ def plan_submission(
     return SubmitPlan(
         job_name=name,
         comment=job_comment(request.workflow_id, res.storage_gb),
+        file_stem=bare_name(request.workflow_id),
         partition=request.partition or job.partition or default_partition,
         nodes=res.nodes,
         tasks_per_node=res.tasks_per_node,

@@ -2,7 +2,8 @@
 
 What it promises (``activities/schedulers/base.py``), and how:
 
-* **Exactly once.** The job is named ``vehpc-<workflow id>`` (``msub -N``; MWS ``customName``). ``find`` looks in
+* **Exactly once.** The job is named with the workflow's marker ``vehpc-<workflow id>.<tag>`` (``msub -N``; MWS
+  ``customName``; adopted only if the tag verifies for the account it runs as: ``BatchSchedulerAdapter``). ``find`` looks in
   the live queue *and* the completed queue (``showq --xml`` + ``showq -c --xml``; one MWS query) for this user's
   jobs of that name; ``submit`` looks first, and again before every retry (``BatchSchedulerAdapter``).
 * **One query per poll.** ``status_batch`` asks ``showq --xml`` once for all ids; only ids it does not list cost one
@@ -36,10 +37,11 @@ from activities.schedulers.batch.base import (
     BatchSchedulerAdapter,
     Candidate,
     CommandExecutor,
+    Owner,
     chunked,
     retrying,
 )
-from activities.schedulers.batch.plan import job_name, plan_submission, workflow_of
+from activities.schedulers.batch.plan import plan_submission
 from activities.schedulers.batch.transports import SSHRunner
 from activities.schedulers.moab import parsers as p
 from activities.schedulers.moab.backends import TRANSIENT_PATTERNS, CliBackend, MoabBackend, MwsBackend
@@ -47,6 +49,7 @@ from activities.schedulers.moab.states import Mapped, map_state
 from activities.tenant_accounts import TenantAccounts
 from virtengine_hpc.config import Config, MoabConfig, Secrets
 from virtengine_hpc.errors import ConfigError, JobNotFound, SchedulerError
+from virtengine_hpc.markers import MarkerKey, load_key
 from virtengine_hpc.metering import Allocated, Reading, highest
 
 log = logging.getLogger(__name__)
@@ -89,10 +92,12 @@ class MoabAdapter(BatchSchedulerAdapter):
         backoff: Backoff,
         tenants: TenantAccounts,
         hold: bool = False,
+        markers: MarkerKey | None = None,
     ) -> None:
         """``hold`` submits jobs held (``msub -h``), for tests that need jobs which never start. ``tenants`` says
-        which account runs each tenant's jobs (``TenantAccounts.shared()``: the backend's own)."""
-        super().__init__(backoff=backoff)
+        which account runs each tenant's jobs (``TenantAccounts.shared()``: the backend's own). ``markers``: the
+        provider's marker key (``from_config`` loads it; default a key of this process alone)."""
+        super().__init__(backoff=backoff, markers=markers)
         self.backend = backend
         self.tenants = tenants
         self._workdirs: set[str] = set()
@@ -132,6 +137,7 @@ class MoabAdapter(BatchSchedulerAdapter):
             config=m,
             backoff=Backoff.from_config(config.hpc.retry, m.max_retries),
             tenants=tenants,
+            markers=load_key(secrets, config.state_dir),
         )
 
     @staticmethod
@@ -193,6 +199,7 @@ class MoabAdapter(BatchSchedulerAdapter):
                 self._workdirs.add(work_dir)
         plan = plan_submission(
             request,
+            name=self.job_name(Owner(request.workflow_id, account)),
             cluster_id=self.cluster_id,
             default_partition=self.config.default_queue,
             account=self.config.account,
@@ -203,16 +210,14 @@ class MoabAdapter(BatchSchedulerAdapter):
         log.info("workflow %s submitted as MOAB job %s (account %s)", request.workflow_id, job_id, account)
         return job_id
 
-    async def _lookup(self, workflow_ids: list[str]) -> dict[str, list[Candidate]]:
-        names = {job_name(w): w for w in workflow_ids}
-        found: dict[str, dict[str, Candidate]] = {}
-        for job in await self.backend.by_names(list(names)):
-            workflow = workflow_of(job.name, "")
-            if workflow is None or names.get(job.name) != workflow:
-                continue
-            final = mapped(job).state.final
-            found.setdefault(workflow, {})[job.job_id] = Candidate(job.job_id, final=final)
-        return {w: list(c.values()) for w, c in found.items()}
+    def _submit_account(self) -> str:
+        return self.backend.user
+
+    async def _jobs_named(self, names: list[str]) -> list[Candidate]:
+        return [
+            Candidate(job.job_id, final=mapped(job).state.final, name=job.name, user=job.user)
+            for job in await self.backend.by_names(names)
+        ]
 
     async def _cancel_many(self, scheduler_job_ids: Sequence[str]) -> None:
         await self.backend.cancel(list(scheduler_job_ids))

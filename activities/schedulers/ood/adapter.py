@@ -155,6 +155,7 @@ class OODAdapter(SchedulerAdapter):
                 }
             )
             adapter = self._factory.from_config(as_user, self.secrets, self.cluster_id)
+            adapter.on_refused_adoption(self.tell_refused)
             self._adapters[user] = adapter
         return adapter
 
@@ -191,7 +192,7 @@ class OODAdapter(SchedulerAdapter):
             duplicates_cancelled=[full(native) for native in result.duplicates_cancelled],
         )
 
-    async def find(self, workflow_id: str) -> str | None:
+    async def find(self, workflow_id: str, tenant: str | None = None) -> str | None:
         users = sorted(self.tenants.accounts())
         found = await asyncio.gather(
             *(self.adapter_for(u).find(workflow_id) for u in users), return_exceptions=True

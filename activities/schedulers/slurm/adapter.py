@@ -2,7 +2,8 @@
 
 What it promises (``activities/schedulers/base.py``), and how:
 
-* **Exactly once.** The job carries the workflow id in its name (``vehpc-<id>``) and comment. ``find`` asks the
+* **Exactly once.** The job's name is the workflow's marker (``vehpc-<id>.<tag>``, adopted only if the tag verifies
+  for the account the job runs as: ``BatchSchedulerAdapter``). ``find`` asks the
   controller (``squeue -t all --name``: every job it holds, ended ones for ``MinJobAge``) *and* accounting
   (``sacct --name`` over ``accounting_lookback``) at once: the controller covers the seconds before accounting
   hears of a new job (4-5 s here), accounting covers jobs the controller has forgotten. ``submit`` looks first,
@@ -56,14 +57,11 @@ from activities.schedulers.slurm.base import (
     BatchSchedulerAdapter,
     Candidate,
     CommandExecutor,
+    Owner,
     chunked,
     retrying,
 )
-from activities.schedulers.slurm.script import (
-    job_name,
-    plan_submission,
-    workflow_of,
-)
+from activities.schedulers.slurm.script import plan_submission
 from activities.schedulers.slurm.states import Mapped, map_state
 from activities.schedulers.slurm.transports import (
     AccountRunner,
@@ -74,7 +72,8 @@ from activities.schedulers.slurm.transports import (
 )
 from activities.tenant_accounts import TenantAccounts
 from virtengine_hpc.config import Config, Secrets, SlurmConfig
-from virtengine_hpc.errors import ConfigError, JobNotFound, SchedulerError, ValidationError
+from virtengine_hpc.errors import ConfigError, JobNotFound, SchedulerError
+from virtengine_hpc.markers import MarkerKey, load_key, marked_workflow
 from virtengine_hpc.metering import Allocated, Reading, highest
 from virtengine_hpc.states import JobState
 
@@ -112,10 +111,12 @@ class SlurmAdapter(BatchSchedulerAdapter):
         tenants: TenantAccounts,
         hold: bool = False,
         verify_cluster: bool = True,
+        markers: MarkerKey | None = None,
     ) -> None:
         """``hold`` submits jobs held (``--hold``), for tests and benchmarks that need jobs which never start.
-        ``tenants`` says which account runs each tenant's jobs (``TenantAccounts.shared()``: the backend's own)."""
-        super().__init__(backoff=backoff)
+        ``tenants`` says which account runs each tenant's jobs (``TenantAccounts.shared()``: the backend's own).
+        ``markers``: the provider's marker key (``from_config`` loads it; default a key of this process alone)."""
+        super().__init__(backoff=backoff, markers=markers)
         self.backend = backend
         self.tenants = tenants
         self._workdirs: set[str] = set()
@@ -206,6 +207,7 @@ class SlurmAdapter(BatchSchedulerAdapter):
             config=s,
             backoff=Backoff.from_config(config.hpc.retry, s.max_retries),
             tenants=tenants,
+            markers=load_key(secrets, config.state_dir),
         )
 
     @staticmethod
@@ -300,6 +302,7 @@ class SlurmAdapter(BatchSchedulerAdapter):
                 self._workdirs.add(work_dir)
         plan = plan_submission(
             request,
+            name=self.job_name(Owner(request.workflow_id, account)),
             cluster_id=self.cluster_id,
             default_partition=self.config.default_partition,
             account=self.config.account,
@@ -311,20 +314,21 @@ class SlurmAdapter(BatchSchedulerAdapter):
         log.info("workflow %s submitted as Slurm job %s (account %s)", request.workflow_id, job_id, account)
         return job_id
 
-    async def _lookup(self, workflow_ids: list[str]) -> dict[str, list[Candidate]]:
-        await self._ready()
-        names = {job_name(w): w for w in workflow_ids}
-        queued, accounted = await asyncio.gather(
-            self.backend.queue_by_names(list(names)), self._accounting_by_names(list(names))
-        )
-        return _candidates(names, [*accounted, *queued])  # the controller's view wins for a job both know
+    def _submit_account(self) -> str:
+        return self.backend.user
 
-    async def _lookup_live(self, workflow_ids: list[str]) -> dict[str, list[Candidate]]:
+    async def _jobs_named(self, names: list[str]) -> list[Candidate]:
+        await self._ready()
+        queued, accounted = await asyncio.gather(
+            self.backend.queue_by_names(names), self._accounting_by_names(names)
+        )
+        return _candidates([*accounted, *queued])  # the controller's view wins for a job both know
+
+    async def _live_jobs_named(self, names: list[str]) -> list[Candidate]:
         """The controller alone (one ``squeue``, a few ms; ``sacct`` costs ~90 ms): it holds every job that has
         not ended, and ended ones for ``MinJobAge``, so every duplicate a racing attempt can have made."""
         await self._ready()
-        names = {job_name(w): w for w in workflow_ids}
-        return _candidates(names, await self.backend.queue_by_names(list(names)))
+        return _candidates(await self.backend.queue_by_names(names))
 
     async def _accounting_by_names(self, names: list[str]) -> list[p.AcctJob]:
         if not self._accounting_enabled:
@@ -369,17 +373,12 @@ class SlurmAdapter(BatchSchedulerAdapter):
         return out
 
     def _marked_workflow(self, job: p.QueueJob) -> str | None:
-        """The workflow whose marker ``job`` carries, run as an account this provider's jobs run as; else None.
-
-        The one marker check of the sweep: the name and comment a submission writes (``job_name``,
-        ``job_comment``) must agree, as for the lookups of a retried submit."""
-        workflow = workflow_of(job.name, job.comment)
-        if workflow is None or job.user not in self.backend.lookup_users:
+        """The workflow whose marker ``job`` carries, made for the account it runs as, one of those this
+        provider's jobs run as; else None (another's job, or a look-alike). The one marker check of the sweep,
+        the same as the adoption checks' (``virtengine_hpc.markers``)."""
+        if job.user not in self.backend.lookup_users:
             return None
-        try:
-            return workflow if job_name(workflow) == job.name else None
-        except ValidationError:
-            return None
+        return marked_workflow(self.markers, cluster_id=self.cluster_id, account=job.user, name=job.name)
 
     # ---- status --------------------------------------------------------------------------------------------
     async def status_batch(self, scheduler_job_ids: Iterable[str]) -> dict[str, NativeStatus]:
@@ -656,18 +655,11 @@ class _RunSteps:
     steps: dict[str, Reading] = field(default_factory=dict)
 
 
-def _candidates(
-    names: dict[str, str], records: Sequence[p.QueueJob | p.AcctJob]
-) -> dict[str, list[Candidate]]:
-    """The jobs of each workflow among ``records`` (by job name -> workflow id); a later record of a job wins."""
-    found: dict[str, dict[str, Candidate]] = {}
-    for record in records:
-        workflow = workflow_of(record.name, record.comment)
-        if workflow is None or names.get(record.name) != workflow:
-            continue  # another job that merely shares the name (its comment says otherwise)
-        final = map_state(record.state).state.final
-        found.setdefault(workflow, {})[record.job_id] = Candidate(record.job_id, final=final)
-    return {w: list(c.values()) for w, c in found.items()}
+def _candidates(records: Sequence[p.QueueJob | p.AcctJob]) -> list[Candidate]:
+    """The jobs among ``records``, as the base judges them: id, name, the account they run as, ended or not."""
+    return [
+        Candidate(r.job_id, final=map_state(r.state).state.final, name=r.name, user=r.user) for r in records
+    ]
 
 
 def _final_reason(mapped_reason: str, exit_code: int | None, slurm_reason: str) -> str:

@@ -9,6 +9,7 @@ from activities.schedulers.batch.base import (
     CommandExecutor,
     CommandResult,
     CommandRunner,
+    Owner,
     chunked,
     retrying,
 )
@@ -21,6 +22,7 @@ __all__ = [
     "CommandExecutor",
     "CommandResult",
     "CommandRunner",
+    "Owner",
     "chunked",
     "retrying",
 ]

@@ -7,9 +7,9 @@ written as ``export NAME='value'`` lines quoted with ``shlex.quote``, so ``$(...
 stay literal. The directives come first and the exports end the directive block, so ``#SBATCH`` lines in the
 tenant's body are ignored by ``sbatch``: a tenant cannot change the partition, account or name it was priced for.
 
-The workflow id is in the job name (``vehpc-<workflow id>``) and in the comment (``batch/plan.py``), so that a retried
+The job name is the workflow's marker (``vehpc-<workflow id>.<tag>``, ``virtengine_hpc.markers``), so that a retried
 submit finds the job an earlier attempt made (``find``) and adopts it instead of submitting again (invariant 2 in
-docs/architecture.md).
+docs/architecture.md), and a job a tenant names like it is never adopted.
 """
 
 from __future__ import annotations
@@ -20,14 +20,10 @@ from activities.schedulers.batch.plan import (
     BASE_PATH,
     COMMENT_PREFIX,
     DIRECTIVE_VALUE,
-    JOB_NAME_PREFIX,
     SubmitPlan,
     export_line,
     job_comment,
-    job_name,
-    parse_comment,
     plan_submission,
-    workflow_of,
 )
 from virtengine_hpc.errors import ValidationError
 
@@ -35,15 +31,11 @@ from virtengine_hpc.errors import ValidationError
 __all__ = [
     "BASE_PATH",
     "COMMENT_PREFIX",
-    "JOB_NAME_PREFIX",
     "SubmitPlan",
     "job_comment",
-    "job_name",
-    "parse_comment",
     "plan_submission",
     "render_batch_script",
     "render_rest_job",
-    "workflow_of",
 ]
 
 
