@@ -36,6 +36,7 @@ from virtengine_hpc.signing import write_private_key
 KEY = MarkerKey(b"k" * 32, source="test")
 OTHER = MarkerKey(b"o" * 32, source="test")
 WF = "JOB-43"
+TENANT = "virtengine1tenant0alice"
 
 
 def tag(key: MarkerKey = KEY, cluster: str = "c1", account: str = "alice", wf: str = WF) -> str:
@@ -157,7 +158,7 @@ def request(*, first: bool = False, known: str | None = None) -> SubmitRequest:
     job = JobSpec.model_validate(
         {
             "job_id": WF,
-            "tenant": "virtengine1tenant0alice",
+            "tenant": TENANT,
             "provider": "virtengine1provider0test",
             "offering_id": "offering-standard",
             "script": "true\n",
@@ -178,11 +179,12 @@ async def test_no_adoption_path_takes_a_lookalike() -> None:
         ),
     ]
     adapter = ListAdapter(list(lookalikes))
-    assert await adapter.find(WF) is None
+    assert await adapter.find(WF, TENANT) is None
     # A retry whose heartbeat names a look-alike, a plain retry, a first attempt: each submits the own job.
     result = await adapter.submit(request(known="1"))
     assert result.scheduler_job_id == "104" and not result.adopted and result.duplicates_cancelled == []
-    assert await adapter.find(WF) == "104"
+    assert await adapter.find(WF, TENANT) == "104"
+    assert await adapter.find(WF) == "104", "without the tenant: a job marked for the account it runs as"
     again = await adapter.submit(request())
     assert again.scheduler_job_id == "104" and again.adopted
     assert adapter.cancelled == [], "nothing was taken for a duplicate of the workflow's job"
@@ -198,7 +200,7 @@ async def test_the_oldest_own_job_is_kept_whatever_older_lookalikes_exist() -> N
     first = await adapter.submit(request(first=True))
     assert first.scheduler_job_id == "101" and not first.adopted
     # A racing attempt's duplicate of the own job is still reconciled: the oldest own job wins.
-    adapter.jobs.append(Candidate("102", name=adapter.job_name(adapter.owner(WF)), user="alice"))
+    adapter.jobs.append(Candidate("102", name=adapter.job_name(adapter.owner(WF, TENANT)), user="alice"))
     again = await adapter.submit(request())
     assert again.scheduler_job_id == "101" and adapter.cancelled == ["102"]
 

@@ -297,7 +297,7 @@ async def test_hostile_environment_stays_literal_and_tenant_directives_are_ignor
         f"x; touch {marker}",
         'it\'s "quoted" \\ $HOME',
     ]
-    marked = slurm.job_name(slurm.owner(outcome.workflow_id))
+    marked = slurm.job_name(slurm.owner(outcome.workflow_id, sc.ALICE))
     assert lines[4] == marked, "the tenant's #SBATCH --job-name was ignored"
     assert lines[5] == env["partition"], "the tenant's #SBATCH --partition was ignored"
     assert not Path(marker).exists(), "no hostile string reached a shell"

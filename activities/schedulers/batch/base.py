@@ -208,10 +208,11 @@ class Candidate:
 
 @dataclass(frozen=True)
 class Owner:
-    """Whose job a lookup asks for: the workflow, and the account its job must run as."""
+    """Whose job a lookup asks for: the workflow, and the account its job must run as (None: any account this
+    adapter's jobs may run as, for a lookup that does not know the workflow's tenant)."""
 
     workflow_id: str
-    account: str
+    account: str | None
 
 
 @dataclass
@@ -342,32 +343,44 @@ class BatchSchedulerAdapter(SchedulerAdapter, abc.ABC):
         """Today every job of a batch scheduler runs as the submit account, whatever its tenant."""
         return self._submit_account()
 
-    def account_for(self, tenant: str | None) -> str:
+    def account_for(self, tenant: str | None) -> str | None:
         """The account a job of ``tenant`` runs as, hence the account its marker is bound to and its job must
-        run under to be adopted: the one place adoption asks (``expected_account``; the submit account when
-        the tenant is unknown, as for a lookup by workflow id alone)."""
-        return (self.expected_account(tenant) if tenant is not None else None) or self._submit_account()
+        run under to be adopted: the one place adoption asks (``expected_account``, else the submit account).
+        None for an unknown tenant: then a job running as any of ``_adoptable_accounts`` may be adopted, if
+        its marker was made for the account it runs as."""
+        if tenant is None:
+            return None
+        return self.expected_account(tenant) or self._submit_account()
+
+    def _adoptable_accounts(self) -> list[str]:
+        """Every account this adapter's jobs may run as."""
+        return [self._submit_account()]
 
     def owner(self, workflow_id: str, tenant: str | None = None) -> Owner:
         return Owner(workflow_id, self.account_for(tenant))
 
-    def job_name(self, owner: Owner) -> str:
+    def job_name(self, owner: Owner, account: str | None = None) -> str:
         """The name of the owner's job: ``vehpc-<workflow id>.<tag>``, the tag binding cluster and account."""
+        account = account or owner.account
+        if account is None:
+            raise ValueError(f"workflow {owner.workflow_id}: a job name needs the account the job runs as")
         return marked_name(
-            self.markers, cluster_id=self.cluster_id, account=owner.account, workflow_id=owner.workflow_id
+            self.markers, cluster_id=self.cluster_id, account=account, workflow_id=owner.workflow_id
         )
 
     async def _lookup(self, owners: list[Owner], *, live: bool) -> dict[Owner, Lookup]:
         """The jobs of each owner, and the look-alikes under its bare name (``vehpc-<workflow id>``, untagged)."""
         by_name: dict[str, list[Owner]] = {}
         for owner in owners:
-            by_name.setdefault(self.job_name(owner), []).append(owner)
+            accounts = [owner.account] if owner.account is not None else self._adoptable_accounts()
+            for account in accounts:
+                by_name.setdefault(self.job_name(owner, account), []).append(owner)
             by_name.setdefault(bare_name(owner.workflow_id), []).append(owner)
         names = list(by_name)
         jobs = await (self._live_jobs_named(names) if live else self._jobs_named(names))
         out: dict[Owner, Lookup] = {owner: Lookup() for owner in owners}
         for job in jobs:
-            for owner in by_name.get(job.name, []):
+            for owner in dict.fromkeys(by_name.get(job.name, [])):
                 why = self._refusal(owner, job)
                 if why is None:
                     out[owner].adoptable.append(job)
@@ -377,13 +390,16 @@ class BatchSchedulerAdapter(SchedulerAdapter, abc.ABC):
 
     def _refusal(self, owner: Owner, job: Candidate) -> str | None:
         """Why ``job`` is not the owner's own (``None``: it is)."""
+        marked_for = owner.account or job.user
         if (
-            marked_workflow(self.markers, cluster_id=self.cluster_id, account=owner.account, name=job.name)
+            marked_workflow(self.markers, cluster_id=self.cluster_id, account=marked_for, name=job.name)
             != owner.workflow_id
         ):
             return "its name carries no valid marker of the workflow"
-        if job.user != owner.account:
+        if owner.account is not None and job.user != owner.account:
             return f"it runs as {job.user or 'an unknown account'!r}, not as {owner.account!r}"
+        if owner.account is None and job.user not in self._adoptable_accounts():
+            return f"it runs as {job.user or 'an unknown account'!r}, none of the accounts this provider's jobs run as"
         return None
 
     async def _looked_up(self, owner: Owner, *, live: bool) -> list[Candidate]:
@@ -407,7 +423,7 @@ class BatchSchedulerAdapter(SchedulerAdapter, abc.ABC):
                 scheduler_job_id=job.scheduler_job_id,
                 job_name=job.name[:300],
                 user=job.user[:64],
-                expected_account=owner.account,
+                expected_account=owner.account or "",
                 reason=why,
             )
         )

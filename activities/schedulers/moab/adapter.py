@@ -213,6 +213,9 @@ class MoabAdapter(BatchSchedulerAdapter):
     def _submit_account(self) -> str:
         return self.backend.user
 
+    def _adoptable_accounts(self) -> list[str]:
+        return sorted(self.tenants.accounts()) if self.tenants.isolated else [self.backend.user]
+
     async def _jobs_named(self, names: list[str]) -> list[Candidate]:
         return [
             Candidate(job.job_id, final=mapped(job).state.final, name=job.name, user=job.user)

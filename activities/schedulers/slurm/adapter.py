@@ -317,6 +317,9 @@ class SlurmAdapter(BatchSchedulerAdapter):
     def _submit_account(self) -> str:
         return self.backend.user
 
+    def _adoptable_accounts(self) -> list[str]:
+        return sorted(self.tenants.accounts()) if self.tenants.isolated else [self.backend.user]
+
     async def _jobs_named(self, names: list[str]) -> list[Candidate]:
         await self._ready()
         queued, accounted = await asyncio.gather(
