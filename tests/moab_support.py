@@ -117,8 +117,14 @@ class MoabCluster:
         return adapter
 
 
+MARKER_SECRET = "moabtest-adoption-marker-secret-0123456789"
+"""The tests' ``PROVIDER_MARKER_SECRET``: a restarted worker's adapter adopts what the first one submitted."""
+
+
 def secrets() -> Secrets:
-    return Secrets.from_env({"MOAB_USERNAME": MWS_USER, "MOAB_PASSWORD": MWS_PASSWORD})
+    return Secrets.from_env(
+        {"MOAB_USERNAME": MWS_USER, "MOAB_PASSWORD": MWS_PASSWORD, "PROVIDER_MARKER_SECRET": MARKER_SECRET}
+    )
 
 
 @contextmanager

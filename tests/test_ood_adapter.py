@@ -91,7 +91,7 @@ def ood_config(cluster: ms.MoabCluster, idp: oidc.IdP, tmp: Path, **ood: Any) ->
 
 
 def secrets(secret: str = SECRET) -> Secrets:
-    return Secrets.from_env({"OOD_OIDC_CLIENT_SECRET": secret})
+    return Secrets.from_env({"OOD_OIDC_CLIENT_SECRET": secret, "PROVIDER_MARKER_SECRET": ms.MARKER_SECRET})
 
 
 @pytest.fixture

@@ -379,7 +379,7 @@ class SlurmAdapter(BatchSchedulerAdapter):
         """The workflow whose marker ``job`` carries, made for the account it runs as, one of those this
         provider's jobs run as; else None (another's job, or a look-alike). The one marker check of the sweep,
         the same as the adoption checks' (``virtengine_hpc.markers``)."""
-        if job.user not in self.backend.lookup_users:
+        if job.user not in self._adoptable_accounts():
             return None
         return marked_workflow(self.markers, cluster_id=self.cluster_id, account=job.user, name=job.name)
 
