@@ -219,6 +219,22 @@ async def test_exactly_once_across_a_lost_answer_and_a_restarted_worker(
     await restarted.close()
 
 
+async def test_find_looks_only_under_the_tenants_own_cluster_user(ood: OODAdapter) -> None:
+    """A recovery run of Alice's job asks for its workflow id: a job under Bob's cluster user that carries that id
+    (and a valid marker, made for Bob's account) is never Alice's."""
+    wf = ms.workflow_id("ood-scope")
+    bobs = await ood.submit(
+        SubmitRequest(workflow_id=wf, job=ms.spec(wf, "sleep 30\n", tenant=BOB), body="x")
+    )
+    assert bobs.scheduler_job_id.startswith(f"{USERS[1]}/")
+    try:
+        assert await ood.find(wf, ALICE) is None, "Alice's lookup does not search Bob's jobs"
+        assert await ood.find(wf, CAROL) is None, "a tenant whose user has no jobs finds nothing"
+        assert await ood.find(wf, BOB) == bobs.scheduler_job_id
+    finally:
+        await ood.cancel(bobs.scheduler_job_id)
+
+
 async def test_outages_are_unavailable_not_state_changes(
     ood: OODAdapter, cluster: ms.MoabCluster, idp: oidc.IdP, tmp_path: Path
 ) -> None:

@@ -193,7 +193,13 @@ class OODAdapter(SchedulerAdapter):
         )
 
     async def find(self, workflow_id: str, tenant: str | None = None) -> str | None:
-        users = sorted(self.tenants.accounts())
+        """The job of ``workflow_id`` under ``tenant``'s own cluster user only (a job under another mapped user
+        is never this tenant's); without a tenant, under every mapped user."""
+        if tenant is not None:
+            user = await asyncio.to_thread(self.tenants.assigned, tenant)
+            users = [user] if user is not None else []
+        else:
+            users = sorted(self.tenants.accounts())
         found = await asyncio.gather(
             *(self.adapter_for(u).find(workflow_id) for u in users), return_exceptions=True
         )
