@@ -211,6 +211,9 @@ def worker_config(base: Path, address: str, args: argparse.Namespace, metrics: s
             "local": {"max_parallel_jobs": room, "job_poll_interval": f"{args.poll_interval}s"},
             "retry": {"max_retries": 3, "initial_backoff": "1s", "max_backoff": "10s"},
         },
+        # Decisions are made when the jobs are submitted, all at once: a ramp slower than the default 600 s on a
+        # loaded host must not turn the last jobs' decisions stale (that measures the host, not the pipeline).
+        routing={"decision_max_age": "6h", "decision_max_age_blocks": 1_000_000},
         temporal={"address": address, "task_queue": f"load-{uuid.uuid4().hex[:6]}"},
         metrics={"listen": metrics, "jobs_refresh_interval": "0s", "sdk_metrics": False},
         logging={"level": "WARNING"},
