@@ -26,7 +26,7 @@ import asyncio
 import logging
 from collections import Counter
 from collections.abc import Awaitable
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from typing import Any, TypeVar
 
 from pydantic import Field, ValidationError
@@ -108,8 +108,14 @@ class Attempt:
         its shortest timeout (heartbeat or start-to-close) after its start, both on the server's clock. Half that
         timeout is kept as a margin for the difference between this worker's clock and the server's (and for the
         retry's own start): what this attempt does before the instant returned, a retry finds done.
+
+        A worker that sees its start in the future has a clock lagging the server's by more than the attempt has
+        run: it cannot tell how long ago the attempt started (Temporal may have given it up already), so it has
+        no window. A smaller lag is covered only while it stays under the margin.
         """
         if not self.first or self._started is None or not self._timeouts:
+            return None
+        if datetime.now(UTC) < self._started:
             return None
         return self._started + min(self._timeouts) / 2
 

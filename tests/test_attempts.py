@@ -383,12 +383,17 @@ async def test_a_first_attempt_submits_at_once_and_a_retry_adopts_its_heartbeate
 
 
 @pytest.mark.slurm
+@pytest.mark.parametrize(
+    ("started_ago", "worker_lag"), [(60, 0), (12, 20)], ids=["on-time-clock", "lagging-clock"]
+)
 async def test_a_first_attempt_past_its_window_checks_and_yields_to_its_retrys_job(
-    tmp_path: Path, key_path: Path
+    tmp_path: Path, key_path: Path, started_ago: int, worker_lag: int
 ) -> None:
-    """A zombie attempt 1 (it started a minute ago and Temporal gave it up after its 10 s heartbeat timeout)
-    submits after its retry already did: its job is the newer one, so its check cancels it and it answers with
-    the retry's job. Skipping the check is only for an attempt that still runs alone."""
+    """A zombie attempt 1 (it started ``started_ago`` seconds ago on the server's clock and Temporal gave it up after
+    its 10 s heartbeat timeout) submits after its retry already did: its job is the newer one, so its check cancels
+    it and it answers with the retry's job. Skipping the check is only for an attempt that still runs alone. With
+    ``worker_lag`` the worker's clock is that far behind the server's (a VM resumed before its clock was stepped):
+    the attempt's start lies in the worker's future, which only a lagging clock shows, so it checks as well."""
     env = sc.cluster()
     adapter = sc.adapter(env, "cli", hold=True)
     config = make_config(tmp_path)
@@ -403,7 +408,7 @@ async def test_a_first_attempt_past_its_window_checks_and_yields_to_its_retrys_j
         zombie = ActivityEnvironment()
         zombie.info = dataclasses.replace(
             zombie.info,
-            started_time=datetime.now(UTC) - timedelta(seconds=60),
+            started_time=datetime.now(UTC) + timedelta(seconds=worker_lag - started_ago),
             heartbeat_timeout=timedelta(seconds=10),
             start_to_close_timeout=timedelta(seconds=300),
         )
@@ -430,6 +435,10 @@ def test_only_a_first_attempt_runs_alone_and_only_for_half_its_shortest_timeout(
     assert (
         Attempt(1, "submit_job", AttemptProgress(), started=start, timeouts=(None, None)).alone_until is None
     )
+    ahead = datetime.now(UTC) + timedelta(seconds=8)
+    assert (
+        Attempt(1, "submit_job", AttemptProgress(), started=ahead, timeouts=timeouts).alone_until is None
+    ), "a start in this worker's future: its clock lags the server's, no window"
 
 
 # ---- usage: the signed record is heartbeated, re-sent, and on "duplicate" the stored one is carried ---------------
