@@ -25,6 +25,7 @@ from tests.pipeline_harness import TENANT, Pipeline, running_pipeline
 from tests.poller_support import idle_queue, start_idle, terminate_all
 from virtengine_hpc.messages import JOB_WORKFLOW_NAME
 from workers.intake_lease import SETTLE_SECONDS, IntakeLease, lease_id
+from workers.metrics import WorkerMetrics
 from workers.poller import ChainPoller
 from workers.wiring import job_settings
 
@@ -184,3 +185,29 @@ async def test_a_tenant_cancel_is_forwarded_while_thousands_of_starts_wait(
             with contextlib.suppress(asyncio.CancelledError):
                 await task
             await terminate_all(client, [cancelled, *poller._recent])
+
+
+async def test_a_full_queue_reports_every_waiting_job_and_the_starts_it_made(
+    client: Client, tmp_path: Path, key_path: Path, task_queue: str
+) -> None:
+    """1,200 pending jobs, a limit of 5: the round starts 5 and reads no page past the first once the slots are full,
+    yet ``job_queue_full`` and the gauge ``virtengine_hpc_chain_pending_jobs`` say all 1,195 others wait (the pages
+    not read are counted on chain, not listed), and ``running`` includes the 5 just started."""
+    config = pipeline_config(tmp_path, 5)
+    async with running_pipeline(client, config, key_path, MemoryAdapter(), task_queue) as pipe:
+        queue = idle_queue()
+        pipe.ledger.fund(TENANT, 1200)
+        jobs = [pipe.submit(decide=False, max_price="1") for _ in range(1200)]
+        poller = make_poller(pipe, client, queue, holder="poller")
+        poller.metrics = WorkerMetrics()
+        try:
+            stats = await poller.take_jobs()
+            assert len(stats.started) == 5
+            full = pipe.audit_events("job_queue_full")
+            assert full[-1]["details"] == {"waiting": 1195, "running": 5, "max_concurrent_jobs": 5}
+            gauge = poller.metrics.registry.get_sample_value(
+                "virtengine_hpc_chain_pending_jobs", {"cluster": pipe.cluster_id}
+            )
+            assert gauge == 1195
+        finally:
+            await terminate_all(client, jobs[:10])

@@ -201,7 +201,11 @@ class ChainPoller:
                 "job_queue_full",
                 cluster_id=self.cluster_id,
                 success=False,
-                details={"waiting": stats.waiting, "running": stats.running, "max_concurrent_jobs": limit},
+                details={
+                    "waiting": stats.waiting,
+                    "running": stats.running + len(stats.started),
+                    "max_concurrent_jobs": limit,
+                },
             )
         return stats
 
@@ -249,9 +253,13 @@ class ChainPoller:
             if len(page) < PAGE_SIZE:
                 self._taken &= set(seen)  # the others left the pending list: no need to remember them
                 break
-            if free <= 0:
-                break
             after = page[-1].job_id
+            if free <= 0:
+                # No slot left: the jobs after this page wait too. Counted, not read (a backlog may be long).
+                stats.waiting += await self.chain.count_pending_jobs(
+                    self.cluster_id, self.provider, after=after
+                )
+                break
         self._holds.keep_only(seen)
         self._set_gauges(stats.waiting + len(stats.held), free)
 

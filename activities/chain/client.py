@@ -84,6 +84,10 @@ class ChainClient(Protocol):
         ``limit`` of them, after job ``after`` (paging)."""
         ...
 
+    async def count_pending_jobs(self, cluster_id: str, provider: str, after: str | None = None) -> int:
+        """How many jobs ``pending_jobs`` would list after job ``after`` without a limit (a count, no listing)."""
+        ...
+
     async def cancel_requested_jobs(self, cluster_id: str, provider: str) -> list[str]:
         """Ids of this provider's non-final jobs whose tenant asked to cancel."""
         ...

@@ -84,6 +84,11 @@ _PENDING_SQL = (
     "AND seq > COALESCE((SELECT seq FROM jobs WHERE job_id = ?4), 0) "
     "ORDER BY seq LIMIT ?3"
 )
+_COUNT_PENDING_SQL = (
+    "SELECT COUNT(*) FROM jobs WHERE provider = ?1 AND state = 'pending' AND taken = 0 "
+    "AND (COALESCE(cluster_id, target_cluster_id) = ?2 OR COALESCE(cluster_id, target_cluster_id) IS NULL) "
+    "AND seq > COALESCE((SELECT seq FROM jobs WHERE job_id = ?3), 0)"
+)
 _CANCEL_SQL = (
     "SELECT job_id FROM jobs WHERE provider = ?1 AND cancel_requested = 1 "
     "AND state NOT IN ('completed', 'failed', 'timeout', 'cancelled') "
@@ -943,6 +948,14 @@ class LocalLedger:
         starts workflows with the job id as workflow id, so listing a job twice never starts it twice.
         """
         return await asyncio.to_thread(self._pending_jobs, cluster_id, provider, limit, after)
+
+    def _count_pending_jobs(self, cluster_id: str, provider: str, after: str | None) -> int:
+        with self._tx(write=False) as db:
+            return int(db.execute(_COUNT_PENDING_SQL, (provider, cluster_id, after)).fetchone()[0])
+
+    async def count_pending_jobs(self, cluster_id: str, provider: str, after: str | None = None) -> int:
+        """How many jobs ``pending_jobs`` would list after job ``after``, all of them, without reading them."""
+        return await asyncio.to_thread(self._count_pending_jobs, cluster_id, provider, after)
 
     def _mark_taken(self, job_id: str) -> None:
         with self._tx(write=True) as db:
