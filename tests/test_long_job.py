@@ -280,10 +280,11 @@ def check_gapless_usage(job: LongJob, key_path: Path) -> None:
     assert all(verify_record(r, public) for r in records)
     for earlier, later in itertools.pairwise(records):
         assert later.period_start == earlier.period_end, f"gap before record {later.sequence}"
-    # (to a few milliseconds: the in-memory scheduler reads its clock and the wall clock one after the other and
-    # rounds run times to the millisecond, and no period is shorter than the run time its record claims)
+    # (to well under a second: the in-memory scheduler reads its clock and the wall clock one after the other, a
+    # few milliseconds apart on a quiet machine and tens of them on a loaded one, and rounds run times to the
+    # millisecond; no period is shorter than the run time its record claims)
     ends_at = abs(records[-1].period_end - job.ended)
-    assert ends_at < timedelta(milliseconds=5), "the last period ends when the scheduler says the job ended"
+    assert ends_at < timedelta(seconds=1), "the last period ends when the scheduler says the job ended"
     total = sum_metrics([r.metrics for r in records])
     running = Decimal(int((job.ended - job.started).total_seconds()))
     assert total.wall_clock_seconds == running, "the records add up to the job's whole run"

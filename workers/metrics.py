@@ -313,7 +313,10 @@ _AUDIT_HANDLERS: dict[str, Callable[[WorkerMetrics, str, bool, Mapping[str, Any]
         c, str(d.get("kind", "unowned")), "reported"
     ).inc(),
     "job_validation_failed": lambda m, c, s, d: m.validation_failures.labels(c).inc(),
-    "usage_reported": lambda m, c, s, d: m.usage_records.labels(c, "sent").inc(),
+    # A retried report the chain answers "duplicate" sent nothing new: the chain keeps the first attempt's record.
+    "usage_reported": lambda m, c, s, d: m.usage_records.labels(
+        c, "duplicate" if d.get("duplicate") else "sent"
+    ).inc(),
     "usage_report_failed": lambda m, c, s, d: m.usage_records.labels(c, "failed").inc(),
     "accounting_reported": lambda m, c, s, d: m.accounting.labels(c, "sent").inc(),
     "accounting_report_failed": lambda m, c, s, d: m.accounting.labels(c, "failed").inc(),
