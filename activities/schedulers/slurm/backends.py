@@ -239,7 +239,7 @@ class CliBackend(SlurmBackend):
     async def _check_answer(self, job_id: str, account: str, name: str) -> None:
         """The job ``sbatch`` named through the tenant's shell is the one just submitted: the controller (asked
         as the provider) holds it under that account and name. A brand-new job is always in ``squeue``."""
-        held = next(iter(await self.queue([job_id])), None)
+        held = next(iter(await self._queue_named([job_id])), None)
         if held is None or held.user != account or held.name != name:
             seen = "not held by the controller" if held is None else f"{held.name!r} of {held.user}"
             raise SecurityError(
@@ -248,38 +248,65 @@ class CliBackend(SlurmBackend):
             )
 
     async def queue(self, job_ids: Sequence[str]) -> list[p.QueueJob]:
+        # Status: no field the job's owner can write; a separator of this query's own, every line checked.
+        sep, fields = p.new_separator(), p.SQUEUE_STATUS_FIELDS
         result = await self._run(
-            ["squeue", "-h", "-t", "all", "-j", ",".join(job_ids), "-O", p.SQUEUE_FORMAT],
+            ["squeue", "-h", "-t", "all", "-j", ",".join(job_ids), "-O", p.squeue_format(fields, sep)],
             what="squeue",
             # A single id the controller no longer holds is an "error" (exit 1); several are an empty answer.
             ok=lambda r: r.exit_code == 0 or "Invalid job id specified" in r.stderr,
         )
-        return p.parse_squeue(result.stdout) if result.exit_code == 0 else []
+        return p.parse_squeue(result.stdout, fields, sep=sep) if result.exit_code == 0 else []
+
+    async def _queue_named(self, job_ids: Sequence[str]) -> list[p.QueueJob]:
+        """``queue`` with each job's name, parsed strictly (a name its owner rewrote breaks only its own line)."""
+        sep, fields = p.new_separator(), p.SQUEUE_LOOKUP_FIELDS
+        result = await self._run(
+            ["squeue", "-h", "-t", "all", "-j", ",".join(job_ids), "-O", p.squeue_format(fields, sep)],
+            what="squeue",
+            ok=lambda r: r.exit_code == 0 or "Invalid job id specified" in r.stderr,
+        )
+        return p.parse_squeue(result.stdout, fields, sep=sep) if result.exit_code == 0 else []
 
     async def prepare_workdir(self, path: str, account: str) -> None:
         await self.executors.prepare_workdir(path, account, SubmissionRejected)
 
     async def queue_by_names(self, names: Sequence[str]) -> list[p.QueueJob]:
         users = ",".join(self.lookup_users)
+        sep, fields = p.new_separator(), p.SQUEUE_LOOKUP_FIELDS
         result = await self._run(
-            ["squeue", "-h", "-t", "all", "-u", users, "-n", ",".join(names), "-O", p.SQUEUE_FORMAT],
+            [
+                "squeue",
+                "-h",
+                "-t",
+                "all",
+                "-u",
+                users,
+                "-n",
+                ",".join(names),
+                "-O",
+                p.squeue_format(fields, sep),
+            ],
             what="squeue",
         )
-        return p.parse_squeue(result.stdout)
+        return p.parse_squeue(result.stdout, fields, sep=sep)
 
     async def queue_live(self) -> list[p.QueueJob]:
         users = ",".join(self.lookup_users)
-        result = await self._run(["squeue", "-h", "-u", users, "-O", p.SQUEUE_FORMAT], what="squeue")
-        return p.parse_squeue(result.stdout)
+        sep, fields = p.new_separator(), p.SQUEUE_LOOKUP_FIELDS
+        result = await self._run(
+            ["squeue", "-h", "-u", users, "-O", p.squeue_format(fields, sep)], what="squeue"
+        )
+        return p.parse_squeue(result.stdout, fields, sep=sep)
 
-    def _sacct(self, *selection: str, steps: bool) -> list[str]:
+    def _sacct(self, *selection: str, steps: bool, fields: Sequence[str], sep: str) -> list[str]:
         # --duplicates: every run of a requeued job (one line each), not only the latest: they are all billed.
         argv = ["sacct", "-P", "-n", "--noconvert", "--duplicates", "-M", self.cluster, "-S", self.lookback]
         if not steps:
             argv.append("-X")
-        return [*argv, *selection, "-o", p.SACCT_FORMAT]
+        return [*argv, *selection, f"--delimiter={sep}", "-o", ",".join(fields)]
 
-    async def _accounting(self, argv: list[str]) -> list[p.AcctJob]:
+    async def _accounting(self, argv: list[str], fields: Sequence[str], sep: str) -> list[p.AcctJob]:
         try:
             result = await self._run(argv, what="sacct")
         except SchedulerError as exc:
@@ -290,14 +317,18 @@ class CliBackend(SlurmBackend):
                     exit_code=exc.exit_code,
                 ) from exc
             raise
-        return p.parse_sacct(result.stdout)
+        return p.parse_sacct(result.stdout, fields, sep=sep)
 
     async def accounting(self, job_ids: Sequence[str], *, steps: bool) -> list[p.AcctJob]:
-        return await self._accounting(self._sacct("-j", ",".join(job_ids), steps=steps))
+        sep, fields = p.new_separator(), p.SACCT_STATUS_FIELDS
+        argv = self._sacct("-j", ",".join(job_ids), steps=steps, fields=fields, sep=sep)
+        return await self._accounting(argv, fields, sep)
 
     async def accounting_by_names(self, names: Sequence[str]) -> list[p.AcctJob]:
         users = ",".join(self.lookup_users)
-        return await self._accounting(self._sacct("-u", users, "--name", ",".join(names), steps=False))
+        sep, fields = p.new_separator(), p.SACCT_LOOKUP_FIELDS
+        argv = self._sacct("-u", users, "--name", ",".join(names), steps=False, fields=fields, sep=sep)
+        return await self._accounting(argv, fields, sep)
 
     async def live_steps(self, job_id: str) -> list[p.LiveStep] | None:
         if self.tenant_shell:

@@ -1,16 +1,19 @@
 """Parsers for what Slurm 22.05 prints (``squeue -O``, ``sacct -P``, ``sstat -P``, ``sbatch --parsable``) and for
 slurmrestd's v0.0.38 JSON, into a few plain records that the adapter maps without caring where they came from.
 
-Pitfalls handled here (all seen in ``tests/golden/slurm``): text fields are not escaped, so free text (name, comment)
-is printed last and split off with a bounded ``split``; times are epoch seconds because every command runs with
-``SLURM_TIME_FORMAT=%s`` (no local-time guessing), but ``Unknown``/``None``/``N/A`` mean "no time"; sizes come with
-or without a 1024-based suffix; CPU times come as ``[D-][HH:]MM:SS[.mmm]``; job-level MaxRSS/TRES usage are empty
+Pitfalls handled here (all seen in ``tests/golden/slurm``): text fields are not escaped, and a job's owner writes its
+name and comment (``scontrol update``, ``|`` and newlines included), so status queries ask for neither, and the
+queries that need the name use a separator of their own (``new_separator``) and keep only lines of exactly the fields
+asked for (captures made by hand keep free text last, split off with a bounded ``split``); times are epoch seconds
+because every command runs with ``SLURM_TIME_FORMAT=%s`` (no local-time guessing), but ``Unknown``/``None``/``N/A``
+mean "no time"; sizes come with or without a 1024-based suffix; CPU times come as ``[D-][HH:]MM:SS[.mmm]``; job-level MaxRSS/TRES usage are empty
 and live on the steps; slurmdbd's JSON reports CPU time with ``microseconds`` that can exceed a million.
 """
 
 from __future__ import annotations
 
 import re
+import secrets
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -37,6 +40,11 @@ SQUEUE_FIELDS = (
     "Comment",
 )
 SQUEUE_FORMAT = ",".join(f"{name}:|" for name in SQUEUE_FIELDS)
+#: What a status query asks for: nothing the job's owner can write (name and comment are the owner's to edit with
+#: ``scontrol update``, ``|`` and newlines included, and could forge whole rows of another job's status).
+SQUEUE_STATUS_FIELDS = tuple(f for f in SQUEUE_FIELDS if f not in ("Name", "Comment"))
+#: What a lookup by name asks for: the name too (``-n`` matches it exactly, so it is one of ours), parsed strictly.
+SQUEUE_LOOKUP_FIELDS = tuple(f for f in SQUEUE_FIELDS if f != "Comment")
 
 #: ``sacct -P`` fields (with steps unless ``-X``), free text last.
 SACCT_FIELDS = (
@@ -59,6 +67,21 @@ SACCT_FIELDS = (
     "Comment",
 )
 SACCT_FORMAT = ",".join(SACCT_FIELDS)
+SACCT_STATUS_FIELDS = tuple(f for f in SACCT_FIELDS if f not in ("JobName", "Comment"))
+SACCT_LOOKUP_FIELDS = tuple(f for f in SACCT_FIELDS if f != "Comment")
+
+
+def new_separator() -> str:
+    """A field separator for one query, which no job's owner can have written into a field beforehand: every
+    line of the answer must then split into exactly the fields asked for, and a field that hides a separator or
+    a newline breaks only its own line, which is dropped, never anyone else's."""
+    return f"|{secrets.token_hex(8)}|"
+
+
+def squeue_format(fields: Sequence[str], sep: str) -> str:
+    """``squeue -O`` format with ``sep`` after every field."""
+    return ",".join(f"{name}:{sep}" for name in fields)
+
 
 #: ``sstat -P`` fields for the live steps of a running job.
 SSTAT_FIELDS = ("JobID", "MaxRSS", "TRESUsageInTot", "TRESUsageOutTot")
@@ -279,29 +302,34 @@ def parse_job_id(value: str) -> str:
 # ---- command output ------------------------------------------------------------------------------------------
 
 
-def _rows(text: str, fields: Sequence[str], *, terminated: bool = False) -> Iterator[dict[str, str]]:
-    """``|``-separated lines as dicts; the last field is free text and may itself contain ``|``.
+def _rows(
+    text: str, fields: Sequence[str], *, terminated: bool = False, sep: str | None = None
+) -> Iterator[dict[str, str]]:
+    """Lines as dicts. ``sep`` (a query's own ``new_separator``): every line must split into exactly ``fields``,
+    else it is dropped. Without it (captures made with ``|``): the last field is free text and may itself
+    contain ``|``.
 
-    ``terminated``: every field is followed by ``|`` (``squeue -O 'Field:|'``), so lines end with one. Lines with
-    too few fields (a ``CLUSTER:`` banner, a header) are skipped.
+    ``terminated``: every field is followed by the separator (``squeue -O 'Field:|'``), so lines end with one.
+    Lines with too few fields (a ``CLUSTER:`` banner, a header) are skipped.
     """
+    split = sep or "|"
     for line in text.splitlines():
         if not line.strip() or line.startswith("CLUSTER:"):
             continue
-        if terminated and line.endswith("|"):
-            line = line[:-1]
-        parts = line.split("|", len(fields) - 1)
+        if terminated and line.endswith(split):
+            line = line[: -len(split)]
+        parts = line.split(split) if sep else line.split("|", len(fields) - 1)
         if len(parts) != len(fields) or parts[0] == fields[0]:
             continue
         yield dict(zip(fields, parts, strict=True))
 
 
 def parse_squeue(
-    text: str, fields: Sequence[str] = SQUEUE_FIELDS, *, terminated: bool = True
+    text: str, fields: Sequence[str] = SQUEUE_FIELDS, *, terminated: bool = True, sep: str | None = None
 ) -> list[QueueJob]:
     """``squeue -h -O <SQUEUE_FORMAT>`` output (or another field list, e.g. a capture made with ``-o``)."""
     jobs: list[QueueJob] = []
-    for row in _rows(text, fields, terminated=terminated):
+    for row in _rows(text, fields, terminated=terminated, sep=sep):
         job_id = row.get("JobID", "").strip()
         if not _digits(job_id):
             continue  # array tasks (123_4) and heterogeneous components are not ours
@@ -324,12 +352,12 @@ def parse_squeue(
     return jobs
 
 
-def parse_sacct(text: str, fields: Sequence[str] = SACCT_FIELDS) -> list[AcctJob]:
+def parse_sacct(text: str, fields: Sequence[str] = SACCT_FIELDS, *, sep: str | None = None) -> list[AcctJob]:
     """``sacct -P -n -o <fields>`` output: job lines, each followed by its step lines (``123.batch``, ``123.0``);
     with ``--duplicates``, one job line per run of a requeued job (``group_runs``)."""
     order: list[AcctJob] = []
     current: AcctJob | None = None  # the job whose step lines follow
-    for row in _rows(text, fields):
+    for row in _rows(text, fields, sep=sep):
         raw_id = (row.get("JobIDRaw") or row.get("JobID") or "").strip()
         job_id, dot, step_id = raw_id.partition(".")
         if not _digits(job_id):
