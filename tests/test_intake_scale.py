@@ -211,3 +211,27 @@ async def test_a_full_queue_reports_every_waiting_job_and_the_starts_it_made(
             assert gauge == 1195
         finally:
             await terminate_all(client, jobs[:10])
+
+
+async def test_two_pollers_forwarding_one_tenant_cancel_audit_it_once(
+    client: Client, tmp_path: Path, key_path: Path, task_queue: str
+) -> None:
+    """Every poller (standby ones too) forwards tenant cancellations. A pending job with no workflow is started
+    with the cancel in it (signal-with-start) by the intake lease holder alone, so the cancel is audited once
+    (``job_cancelled`` "cancelled before it started"); the standby poller's next round signals the workflow."""
+    config = pipeline_config(tmp_path, 5)
+    async with running_pipeline(client, config, key_path, MemoryAdapter(), task_queue) as pipe:
+        queue = idle_queue()
+        job = pipe.submit(decide=False)
+        pipe.ledger.request_cancel(job)
+        a = make_poller(pipe, client, queue, holder="poller-a")
+        b = make_poller(pipe, client, queue, holder="poller-b")
+        try:
+            assert await a.lease.refresh() and not await b.lease.refresh(), "a holds the intake lease"
+            forwarded = await asyncio.gather(a.forward_cancellations(), b.forward_cancellations())
+            assert [stats.cancelled for stats in forwarded] == [[job], []]
+            assert (await b.forward_cancellations()).cancelled == [job], "b signals the workflow a started"
+            assert await signalled(client, job, "cancel")
+            assert len(pipe.audit_events("job_cancelled", job)) == 1
+        finally:
+            await terminate_all(client, [job])

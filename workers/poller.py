@@ -12,7 +12,8 @@ It keeps up with a long backlog: it **counts** the running workflows of its clus
 workflow (one query per page), and starts ``start_concurrency`` workflows at a time. Visibility is eventually
 consistent, so two pollers counting at once would both fill the same free slots: only the poller that holds the
 cluster's intake lease (``workers/intake_lease.py``) starts jobs, and it adds the starts it made that visibility
-does not list yet to the count. The other pollers stand by, forward cancellations and reconcile.
+does not list yet to the count. The other pollers stand by, forward cancellations and reconcile; a cancelled job
+without a workflow is started (with the cancel in it) by the holder alone, so that it is audited once.
 
 No job can stall the intake: a pending job whose workflow already ran and closed (terminated before it reported
 anything) is handed to the reconciler, which starts the run that closes it; a job whose start fails on its own is
@@ -509,6 +510,10 @@ class ChainPoller:
             return False
         if closed is not None or job.state != JobState.PENDING:
             await self.reconciler.recover(job, closed)
+            return False
+        if self.lease.held_elsewhere():
+            # The intake lease holder starts it (the same cancel reaches it): one start, one audit record. Once
+            # started, the next round's signal reaches the workflow from here too.
             return False
         # Start its workflow with the cancel already in it (signal-with-start): the workflow stays the only writer
         # of the job's chain state, so another poller starting it at this moment cannot run a job the chain
