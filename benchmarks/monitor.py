@@ -138,6 +138,7 @@ async def count_events(args: argparse.Namespace) -> None:
                 hpc={
                     "cluster_id": f"ev-{_uuid.uuid4().hex[:6]}",
                     "usage_reporting": {"report_interval": interval},
+                    "job_service": {"cluster_monitor": True},
                 },
             )
             adapter = MemoryAdapter()
@@ -254,6 +255,8 @@ async def run_design(
     key = base / "provider.key"
     write_private_key(key)
     data = config_data(base, env, address, args)
+    if design.name == "new":
+        data["hpc"]["job_service"]["cluster_monitor"] = True  # opt-in (the old code has no such key)
     config = load_config(data=data, env={})
     (base / "config.json").write_text(json.dumps(data))
     queue = f"bench-{design.name}-{uuid.uuid4().hex[:6]}"

@@ -72,7 +72,9 @@ async def two_workers(
     client: Client, tmp_path: Path, key_path: Path, task_queue: str
 ) -> AsyncIterator[Pipeline]:
     """Two workers (as two worker processes would run them) on one cluster's task queue, one scheduler."""
-    config = make_config(tmp_path, hpc={"cluster_id": f"c-{uuid.uuid4().hex[:8]}"})
+    config = make_config(
+        tmp_path, hpc={"cluster_id": f"c-{uuid.uuid4().hex[:8]}", "job_service": {"cluster_monitor": True}}
+    )
     adapter = CountingAdapter()
     ledger = setup_ledger(config, Signer.from_file(key_path))
     secrets = Secrets(provider_signing_key_path=key_path)

@@ -28,6 +28,7 @@ from activities.schedulers.moab import parsers as p
 from activities.schedulers.moab.adapter import MoabAdapter
 from activities.schedulers.moab.backends import TRANSIENT_PATTERNS, CliBackend
 from activities.schedulers.moab.states import Completion, map_state
+from activities.tenant_accounts import TenantAccounts
 from tests.test_fuzz_parsers import TRICKY
 from tests.test_moab_parsers import CHECKJOB, SHOWQ, SHOWQ_COMPLETED
 from virtengine_hpc.config import MoabConfig
@@ -278,7 +279,13 @@ ANSWERS = st.lists(
 def test_the_moab_adapter_over_garbage_raises_only_typed_errors(answers: list[tuple[int, str, str]]) -> None:
     async def scenario() -> None:
         backend = CliBackend(CommandExecutor(ScriptedRunner(answers), TRANSIENT_PATTERNS, 5.0), user="alice")
-        adapter = MoabAdapter(backend, cluster_id="fuzz", config=MoabConfig(), backoff=Backoff(max_retries=0))
+        adapter = MoabAdapter(
+            backend,
+            cluster_id="fuzz",
+            config=MoabConfig(),
+            backoff=Backoff(max_retries=0),
+            tenants=TenantAccounts.shared(),
+        )
         job = JobSpec(
             job_id="wf-fuzz", tenant="tenant1", provider="provider1", offering_id="o1", script="true\n"
         )

@@ -436,20 +436,29 @@ async def test_a_slow_submit_is_not_mistaken_for_a_dead_worker(pipe: Pipeline) -
     assert adapter(pipe).submits == 1
 
 
+@pytest.mark.parametrize("by_monitor", [False, True], ids=["watch activity", "cluster monitor"])
 async def test_the_configured_heartbeat_timeout_reaches_every_activity(
-    client: Client, tmp_path: Path, key_path: Path, task_queue: str
+    client: Client, tmp_path: Path, key_path: Path, task_queue: str, by_monitor: bool
 ) -> None:
     """``hpc.job_service.activity_heartbeat_timeout`` is what Temporal waits for before it gives an attempt up:
-    submit and usage reports get it, the cluster monitor's rounds at least four poll intervals."""
+    submit and usage reports get it, the watch activity (or the cluster monitor's rounds) at least four poll
+    intervals."""
     config = make_config(
         tmp_path,
-        hpc={"cluster_id": f"c-{uuid.uuid4().hex[:8]}", "job_service": {"activity_heartbeat_timeout": "7s"}},
+        hpc={
+            "cluster_id": f"c-{uuid.uuid4().hex[:8]}",
+            "job_service": {"activity_heartbeat_timeout": "7s", "cluster_monitor": by_monitor},
+        },
     )
     async with running_pipeline(client, config, key_path, MemoryAdapter(), task_queue) as p:
         job_id = p.submit()
         results = await p.run_until_done([job_id])
         history = await p.handle(job_id).fetch_history()
-        monitor = await p.client.get_workflow_handle(monitor_workflow_id(task_queue)).fetch_history()
+        monitor = (
+            await p.client.get_workflow_handle(monitor_workflow_id(task_queue)).fetch_history()
+            if by_monitor
+            else None
+        )
     assert results[job_id].state == C
     timeouts = {
         e.activity_task_scheduled_event_attributes.activity_type.name: (
@@ -460,6 +469,9 @@ async def test_the_configured_heartbeat_timeout_reaches_every_activity(
     }
     poll = config.hpc.scheduler_poll_interval.total_seconds()
     assert timeouts["submit_job"] == 7 and timeouts["report_usage"] == 7, timeouts
+    if monitor is None:
+        assert timeouts["watch_job"] == max(7, 4 * poll), timeouts
+        return
     rounds = {
         e.activity_task_scheduled_event_attributes.heartbeat_timeout.ToTimedelta().total_seconds()
         for e in monitor.events

@@ -183,6 +183,13 @@ class JobServiceConfig(Section):
         "docs/benchmarks.md). A job's watch waits at least four scheduler poll intervals. Fixed per job when it "
         "starts.",
     )
+    cluster_monitor: bool = Field(
+        False,
+        description="Watch jobs through one cluster monitor workflow per cluster (one status query per poll "
+        "interval, whatever the number of workers; a watched job holds no activity) instead of a watch activity "
+        'per job. Off by default while known defects stand (docs/architecture.md, "Why is the cluster monitor '
+        'off by default?"). Fixed per job when it starts.',
+    )
     sweep_interval: Duration | None = Field(
         timedelta(seconds=60),
         gt=timedelta(0),

@@ -127,6 +127,10 @@ class JobSettings(Model):
         30.0,
         description="Heartbeat timeout of the job's activities (the watch's is at least four poll intervals).",
     )
+    cluster_monitor: bool = Field(
+        False,
+        description="Watch the job through the cluster's monitor workflow (hpc.job_service.cluster_monitor).",
+    )
     max_queue_wait_seconds: float | None = Field(
         None,
         description="Cancel a job that has waited this long in the scheduler's queue without starting (reported "

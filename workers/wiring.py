@@ -77,6 +77,7 @@ def job_settings(config: Config, cluster_id: str | None = None) -> JobSettings:
         vanished_grace_seconds=hpc.job_service.vanished_job_grace.total_seconds(),
         continue_as_new_after_events=hpc.job_service.continue_as_new_after_events,
         heartbeat_timeout_seconds=hpc.job_service.activity_heartbeat_timeout.total_seconds(),
+        cluster_monitor=hpc.job_service.cluster_monitor,
         retry=RetrySettings(
             max_retries=hpc.retry.max_retries,
             initial_backoff_seconds=hpc.retry.initial_backoff.total_seconds(),

@@ -204,7 +204,11 @@ class HPCJobWorkflow:
     @workflow.run
     async def run(self, inp: JobWorkflowInput) -> JobResult:
         self.v2 = workflow.patched(PATCH_NO_JOB_LEFT_BEHIND)
-        self.by_monitor = self.v2 and workflow.patched(PATCH_CLUSTER_MONITOR)
+        # The monitor is opt-in (hpc.job_service.cluster_monitor): a job started without it records no marker
+        # and takes the watch-activity path, as before the monitor existed.
+        self.by_monitor = (
+            self.v2 and self.settings.cluster_monitor and workflow.patched(PATCH_CLUSTER_MONITOR)
+        )
         if self.v2:
             await self._drive_to_the_end()
         else:
