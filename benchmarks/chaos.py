@@ -23,7 +23,7 @@ The faults, at seeded random or fixed moments while the jobs are in every phase:
 Then, per invariant, it prints PASS or FAIL with the evidence, and exits 1 on any violation:
 
 1. every job reached the terminal state of its kind (and ``fail`` kept its exit code), every workflow completed;
-2. exactly one scheduler job per chain job (SLURM: ``sacct`` and ``squeue`` by the job's name; local: its job
+2. exactly one scheduler job per chain job (SLURM: ``sacct`` and ``squeue`` by the job's name and any marker tag; local: its job
    directory), the one the chain and the workflow name, and its script ran exactly once (markers);
 3. usage record sequences are gapless and unique, and the workflow counts as many as the chain holds;
 4. exactly one ``is_final`` record, the last, per job that ran; none for a job that never ran;
@@ -897,13 +897,15 @@ class ChaosRun:
             assert self.plan.slurm is not None
             from tests.slurm_cluster import slurm_command
 
+            # By name, whatever marker tag follows it (vehpc-<workflow id>.<tag>; vehpc-<workflow id> before tags).
             name = f"vehpc-{job.job_id}"
             accounted = slurm_command(
                 self.plan.slurm,
-                ["sacct", "-a", "-X", "-P", "-n", "-S", "now-1days", "--name", name, "-o", "JobIDRaw"],
+                ["sacct", "-a", "-X", "-P", "-n", "-S", "now-1days", "-o", "JobIDRaw,JobName"],
             )
-            queued = slurm_command(self.plan.slurm, ["squeue", "-h", "-t", "all", "-n", name, "-o", "%A"])
-            return sorted({line.strip() for line in (accounted + queued).splitlines() if line.strip()})
+            queued = slurm_command(self.plan.slurm, ["squeue", "-h", "-t", "all", "-o", "%A|%j"])
+            rows = (line.strip().split("|", 1) for line in (accounted + queued).splitlines() if "|" in line)
+            return sorted({jid for jid, jname in rows if jname == name or jname.startswith(name + ".")})
         from activities.schedulers.local import scheduler_job_id
 
         jobs_dir = self.base / "state" / "local-jobs"

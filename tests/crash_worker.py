@@ -35,8 +35,8 @@ class CrashAfterSubmit(SchedulerAdapter):
             os.kill(os.getpid(), signal.SIGKILL)
         return result
 
-    async def find(self, workflow_id: str) -> str | None:
-        return await self.inner.find(workflow_id)
+    async def find(self, workflow_id: str, tenant: str | None = None) -> str | None:
+        return await self.inner.find(workflow_id, tenant)
 
     async def status_batch(self, scheduler_job_ids: Iterable[str]) -> dict[str, NativeStatus]:
         return await self.inner.status_batch(scheduler_job_ids)

@@ -76,7 +76,7 @@ class RecordingNodeScheduler(SchedulerAdapter):
     async def submit(self, request: SubmitRequest, **_: Any) -> SubmitResult:
         raise NotImplementedError
 
-    async def find(self, workflow_id: str) -> str | None:
+    async def find(self, workflow_id: str, tenant: str | None = None) -> str | None:
         raise NotImplementedError
 
     async def status_batch(self, scheduler_job_ids: Iterable[str]) -> dict[str, NativeStatus]:

@@ -615,9 +615,9 @@ async def test_temporal_cancel_during_a_submit_that_cannot_be_interrupted_still_
 
 @dataclass
 class SlowFindScheduler(StubbornScheduler):
-    async def find(self, workflow_id: str) -> str | None:
+    async def find(self, workflow_id: str, tenant: str | None = None) -> str | None:
         await asyncio.sleep(3.0)
-        return await super().find(workflow_id)
+        return await super().find(workflow_id, tenant)
 
 
 async def test_temporal_cancel_during_a_recovery_run_still_closes_the_job(

@@ -39,7 +39,8 @@ def test_pyslurm_transport_without_pyslurm_is_a_clear_config_error() -> None:
         "slurm_conf": "/nonexistent",
     }
     with pytest.raises(ConfigError, match="pyslurm is not installed"):
-        SlurmAdapter.from_config(sc.config(env, "pyslurm"), Secrets(), "c1")
+        # pyslurm cannot submit as each tenant's account: only a single trusted tenant's provider may pick it
+        SlurmAdapter.from_config(sc.config(env, "pyslurm", tenants={"isolation": "none"}), Secrets(), "c1")
 
 
 async def test_pyslurm_submit_status_cancel() -> None:
