@@ -869,8 +869,8 @@ async def test_a_restarted_worker_finds_its_jobs(make_adapter: Callable[..., Loc
 async def test_a_lookalike_job_directory_is_set_aside_never_adopted(
     make_adapter: Callable[..., LocalAdapter], tmp_path: Path
 ) -> None:
-    """A tenant's script runs as the worker's uid here: it can plant a launched job under the id a future workflow
-    will use (the id is a hash of the workflow id). Made without the provider's marker key, it is never adopted."""
+    """Someone who can write the state directory (a tenant on a host without isolation) plants a launched job
+    under the id a future workflow will use (the id is a hash of the workflow id). Made without the provider's marker key, it is never adopted."""
     adapter = make_adapter()
     refused: list[RefusedAdoption] = []
     adapter.on_refused_adoption(refused.append)
@@ -878,7 +878,8 @@ async def test_a_lookalike_job_directory_is_set_aside_never_adopted(
         LocalSchedulerConfig(kill_wait="1s", allow_unisolated=True),
         adapter.state_dir,
         "test-cluster",
-        MarkerKey(b"f" * 32, source="x"),
+        tenant_accounts(),
+        markers=MarkerKey(b"f" * 32, source="x"),
     )
     planted = await forger.submit(request("wf-victim", "echo the look-alike ran\nsleep 1\n"))
     assert planted.scheduler_job_id == scheduler_job_id("wf-victim")
