@@ -127,8 +127,11 @@ class JobSettings(Model):
         30.0,
         description="Heartbeat timeout of the job's activities (the watch's is at least four poll intervals).",
     )
+    # True when absent: runs started by the builds where the monitor was the only path carry no such field and must
+    # replay on it (their history holds its marker); workers always set it from hpc.job_service.cluster_monitor,
+    # and a run whose history has no marker takes the watch-activity path whatever this says.
     cluster_monitor: bool = Field(
-        False,
+        True,
         description="Watch the job through the cluster's monitor workflow (hpc.job_service.cluster_monitor).",
     )
     max_queue_wait_seconds: float | None = Field(
