@@ -152,7 +152,10 @@ async def run_long_job(
             # The monitor asks the scheduler hourly: a month of 5-minute rounds would only slow the test down.
             "local": {"job_poll_interval": "1h"},
             "usage_reporting": {"report_interval": "5m"},
-            "job_service": job_service or {},
+            # The job waits on its cluster monitor's signals and its own timers, which the test server skips; the
+            # default watch path holds a heartbeating activity that polls in real time, and the test server skips
+            # no time while an activity is outstanding, so a month would take a month.
+            "job_service": {"cluster_monitor": True, **(job_service or {})},
         },
     )
     runtime = int(days * DAY)
