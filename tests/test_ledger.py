@@ -273,6 +273,37 @@ async def test_pending_jobs_oldest_first_per_provider_and_cluster(ledger: LocalL
     assert [j.job_id for j in await ledger.pending_jobs("c1", PROVIDER, 10)] == [c]
 
 
+async def test_a_job_is_listed_for_the_cluster_its_decision_selects(ledger: LocalLedger) -> None:
+    """Asked for c1, decided for c2: c2's poller takes it (and forwards its cancel), so that c2's limit counts it.
+    A decision for a cluster that is not the provider's, or that is offline, leaves the job with the cluster it
+    asked for (whose workflow refuses the decision or falls back), and a report of where it runs wins."""
+    moved = ledger.submit_job(spec(cluster_id="c1"))
+    elsewhere = ledger.submit_job(spec(cluster_id="c1"))
+    ledger.create_decision(moved, "c1")
+    ledger.create_decision(moved, "c2")  # the latest decision wins
+    ledger.create_decision(elsewhere, "cluster-of-another-provider")
+    ledger.request_cancel(moved)
+
+    assert [j.job_id for j in await ledger.pending_jobs("c1", PROVIDER, 10)] == [elsewhere]
+    assert [j.job_id for j in await ledger.pending_jobs("c2", PROVIDER, 10)] == [moved]
+    assert (
+        await ledger.count_pending_jobs("c1", PROVIDER),
+        await ledger.count_pending_jobs("c2", PROVIDER),
+    ) == (
+        1,
+        1,
+    )
+    assert await ledger.cancel_requested_jobs("c2", PROVIDER) == [moved]
+    assert await ledger.cancel_requested_jobs("c1", PROVIDER) == []
+    assert [j.job_id for j in await ledger.open_jobs("c2", PROVIDER, 10)] == [moved]
+    ledger.set_cluster_state("c2", "offline")
+    assert [j.job_id for j in await ledger.pending_jobs("c1", PROVIDER, 10)] == [moved, elsewhere]
+    ledger.set_cluster_state("c2", "active")
+
+    await ledger.report_status(StatusReport(job_id=moved, state=JobState.QUEUED, cluster_id="c1"))
+    assert await ledger.cancel_requested_jobs("c1", PROVIDER) == [moved], "it runs on c1 after all"
+
+
 async def test_open_jobs_are_the_non_final_ones_oldest_first_in_pages(ledger: LocalLedger) -> None:
     a = ledger.submit_job(spec())
     b = ledger.submit_job(spec(cluster_id="c2"))

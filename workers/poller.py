@@ -1,6 +1,8 @@
 """The chain poller: starts one HPCJobWorkflow per pending on-chain job, idempotently.
 
-Every ``job_poll_interval`` it reads this provider's pending jobs for its cluster and starts a workflow whose id is
+Every ``job_poll_interval`` it reads this provider's pending jobs for its cluster (the chain lists a job for the
+cluster its scheduling decision selects, so the poller of the cluster a job runs on is the one that counts it
+against that cluster's limit) and starts a workflow whose id is
 the chain job id, with the duplicate-id policy that refuses a second run: a poller restart, two pollers, or a job
 seen twice can never start a job twice (the reference kept its "seen" set in memory). It never lets more than
 ``max_concurrent_jobs`` workflows of its cluster run at once; the rest wait on chain (audit ``job_queue_full``),

@@ -81,7 +81,9 @@ class ChainClient(Protocol):
         self, cluster_id: str, provider: str, limit: int, after: str | None = None
     ) -> list[ChainJob]:
         """Jobs for this provider's cluster that no workflow has taken yet (state pending), oldest first: at most
-        ``limit`` of them, after job ``after`` (paging)."""
+        ``limit`` of them, after job ``after`` (paging). A job is listed for the cluster it is to run on: the
+        active cluster of this provider its latest scheduling decision selects, else the one it asked for, or
+        every cluster when it names none; so the poller of that cluster takes it within that cluster's limit."""
         ...
 
     async def count_pending_jobs(self, cluster_id: str, provider: str, after: str | None = None) -> int:
@@ -89,7 +91,8 @@ class ChainClient(Protocol):
         ...
 
     async def cancel_requested_jobs(self, cluster_id: str, provider: str) -> list[str]:
-        """Ids of this provider's non-final jobs whose tenant asked to cancel."""
+        """Ids of this provider's non-final jobs on ``cluster_id`` (as ``pending_jobs`` assigns them, or where they
+        reported running) whose tenant asked to cancel, oldest first."""
         ...
 
     async def open_jobs(

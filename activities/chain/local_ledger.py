@@ -76,29 +76,41 @@ DEFAULT_BUSY_TIMEOUT = 30.0
 _JOB_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
 """Job ids are chain-assigned on a real chain; one chosen here must still be a valid identifier."""
 
-# A job belongs to the cluster it reported running on, else to the one it asked for (or its offering's); a job
-# that names no cluster is offered to every cluster of its provider.
+# A job belongs to the cluster it runs on: the one it reported running on, else the one its latest scheduling
+# decision selects when that is an active cluster of its provider, else the one it asked for (or its offering's);
+# a job that names no cluster is offered to every cluster of its provider. Listing it for the cluster it is
+# decided for lets that cluster's poller take it within that cluster's max_concurrent_jobs; a decision for an
+# offline cluster leaves it with the one it asked for, whose workflow may fall back to it (docs/routing.md).
+_DECIDED = (
+    "(SELECT c.cluster_id FROM clusters c WHERE c.provider = jobs.provider "
+    "AND json_extract(c.data, '$.state') = 'active' AND c.cluster_id = "
+    "(SELECT json_extract(d.data, '$.selected_cluster_id') FROM decisions d WHERE d.job_id = jobs.job_id "
+    "ORDER BY d.seq DESC LIMIT 1))"
+)
+_DESTINATION = f"COALESCE(jobs.cluster_id, {_DECIDED}, jobs.target_cluster_id)"
+_RUNS_ON = f"COALESCE({_DESTINATION}, ?2) = ?2"
+# The queries below are built from these constants only (S608 flags any built query); every value is bound.
 _PENDING_SQL = (
-    "SELECT * FROM jobs WHERE provider = ?1 AND state = 'pending' AND taken = 0 "
-    "AND (COALESCE(cluster_id, target_cluster_id) = ?2 OR COALESCE(cluster_id, target_cluster_id) IS NULL) "
+    "SELECT * FROM jobs WHERE provider = ?1 AND state = 'pending' AND taken = 0 "  # noqa: S608
+    f"AND {_RUNS_ON} "
     "AND seq > COALESCE((SELECT seq FROM jobs WHERE job_id = ?4), 0) "
     "ORDER BY seq LIMIT ?3"
 )
 _COUNT_PENDING_SQL = (
-    "SELECT COUNT(*) FROM jobs WHERE provider = ?1 AND state = 'pending' AND taken = 0 "
-    "AND (COALESCE(cluster_id, target_cluster_id) = ?2 OR COALESCE(cluster_id, target_cluster_id) IS NULL) "
+    "SELECT COUNT(*) FROM jobs WHERE provider = ?1 AND state = 'pending' AND taken = 0 "  # noqa: S608
+    f"AND {_RUNS_ON} "
     "AND seq > COALESCE((SELECT seq FROM jobs WHERE job_id = ?3), 0)"
 )
 _CANCEL_SQL = (
-    "SELECT job_id FROM jobs WHERE provider = ?1 AND cancel_requested = 1 "
+    "SELECT job_id FROM jobs WHERE provider = ?1 AND cancel_requested = 1 "  # noqa: S608
     "AND state NOT IN ('completed', 'failed', 'timeout', 'cancelled') "
-    "AND (COALESCE(cluster_id, target_cluster_id) = ?2 OR COALESCE(cluster_id, target_cluster_id) IS NULL) "
+    f"AND {_RUNS_ON} "
     "ORDER BY seq"
 )
 _OPEN_SQL = (
-    "SELECT * FROM jobs WHERE provider = ?1 "
+    "SELECT * FROM jobs WHERE provider = ?1 "  # noqa: S608
     "AND state NOT IN ('completed', 'failed', 'timeout', 'cancelled') "
-    "AND (COALESCE(cluster_id, target_cluster_id) = ?2 OR COALESCE(cluster_id, target_cluster_id) IS NULL) "
+    f"AND {_RUNS_ON} "
     "AND seq > COALESCE((SELECT seq FROM jobs WHERE job_id = ?3), 0) "
     "ORDER BY seq LIMIT ?4"
 )
@@ -941,8 +953,8 @@ class LocalLedger:
     async def pending_jobs(
         self, cluster_id: str, provider: str, limit: int, after: str | None = None
     ) -> list[ChainJob]:
-        """Pending jobs of ``provider`` for ``cluster_id`` (or for no cluster in particular), oldest first, after
-        job ``after`` (an unknown ``after`` starts from the oldest).
+        """Pending jobs of ``provider`` for ``cluster_id`` (decided for it, else asked for it, or for no cluster in
+        particular), oldest first, after job ``after`` (an unknown ``after`` starts from the oldest).
 
         A job stays listed until its workflow reports any status or someone calls ``mark_taken``; the poller
         starts workflows with the job id as workflow id, so listing a job twice never starts it twice.
