@@ -22,8 +22,10 @@ else is left alone: a workflow that names no job yet (its submit is under way an
 whose chain job is not final while no workflow is open (the reconciler's recovery run stops it and settles its
 usage; the next sweep sees the rest), and a workflow id the chain does not know (not this provider's job).
 
-The sweep runs beside the chain poller, one per cluster (``docs/production.md``: one poller per cluster), so its
-scheduler load does not grow with the number of workers.
+The sweep runs beside the chain poller, and only in the poller that holds the cluster's intake lease
+(``workers/intake_lease.py``): a cluster served by several pollers is still listed once per interval, and a
+duplicate is cancelled and audited once. Its scheduler load does not grow with the number of workers or
+pollers.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ from activities.schedulers.base import MarkedJob, SchedulerAdapter
 from virtengine_hpc.config import Config
 from virtengine_hpc.errors import HPCError
 from virtengine_hpc.messages import JOB_WORKFLOW_NAME
+from workers.intake_lease import IntakeLease
 from workers.metrics import WorkerMetrics
 from workflows.hpc_job import SA_CLUSTER, SA_SCHEDULER_JOB
 
@@ -70,6 +73,9 @@ class SweepStats:
     duplicates: list[str] = field(default_factory=list)
     unowned: list[str] = field(default_factory=list)
     left: int = 0  # live jobs no workflow names, left alone (see the module's docstring)
+    standby: bool = (
+        False  # another poller holds the cluster's intake lease: it sweeps, this one listed nothing
+    )
 
 
 class JobSweep:
@@ -84,6 +90,7 @@ class JobSweep:
         audit: AuditLog,
         *,
         metrics: WorkerMetrics | None = None,
+        lease: IntakeLease | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.client = client
@@ -91,6 +98,7 @@ class JobSweep:
         self.adapter = adapter
         self.audit = audit
         self.metrics = metrics
+        self.lease = lease  # None: this sweep is the cluster's only one
         self.clock = clock
         self.cluster_id = config.hpc.cluster_id
         self.provider = config.provider.address
@@ -123,8 +131,12 @@ class JobSweep:
                 await asyncio.wait_for(stop.wait(), timeout=self.interval)
 
     async def sweep_once(self) -> SweepStats:
-        """One round: one scheduler listing, one visibility query per page of workflows, then the findings."""
+        """One round: one scheduler listing, one visibility query per page of workflows, then the findings; none
+        on a poller that stands by (another holds the cluster's intake lease and sweeps)."""
         stats = SweepStats()
+        if self.lease is not None and not await self.lease.refresh():
+            stats.standby = True
+            return stats
         jobs = [job for job in await self.adapter.marked_jobs() if not job.final]
         stats.listed = len(jobs)
         self._stopping &= {job.scheduler_job_id for job in jobs}

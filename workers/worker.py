@@ -190,13 +190,13 @@ class WorkerProcess:
                 _sweep(
                     client,
                     deps.chain,
-                    deps.adapters[cluster_id],
+                    deps.adapters[poller.cluster_id],
                     config,
                     deps.audit,
-                    cluster_id,
+                    poller,
                     self.metrics,
                 )
-                for cluster_id in deps.cluster_ids
+                for poller in self.pollers
             ]
             self._side_tasks += [asyncio.create_task(s.run(self._stop)) for s in self.sweeps]
         interval = config.metrics.jobs_refresh_interval.total_seconds()
@@ -402,10 +402,19 @@ def _sweep(
     adapter: SchedulerAdapter,
     config: Config,
     audit: AuditLog,
-    cluster_id: str,
+    poller: ChainPoller,
     metrics: WorkerMetrics,
 ) -> JobSweep:
-    return JobSweep(client, chain, adapter, config.for_cluster(cluster_id), audit, metrics=metrics)
+    """The sweep of the poller's cluster; it sweeps while that poller holds the cluster's intake lease."""
+    return JobSweep(
+        client,
+        chain,
+        adapter,
+        config.for_cluster(poller.cluster_id),
+        audit,
+        metrics=metrics,
+        lease=poller.lease,
+    )
 
 
 def _sweep_adapters(config: Config, served: Sequence[str]) -> dict[str, SchedulerAdapter]:
@@ -474,8 +483,9 @@ async def run_poller(config: Config, *, clusters: Sequence[str] | None = None) -
     pollers = [_poller(client, chain, config, audit, cluster_id, metrics) for cluster_id in served]
     adapters = _sweep_adapters(config, served)
     sweeps = [
-        _sweep(client, chain, adapter, config, audit, cluster_id, metrics)
-        for cluster_id, adapter in adapters.items()
+        _sweep(client, chain, adapters[poller.cluster_id], config, audit, poller, metrics)
+        for poller in pollers
+        if poller.cluster_id in adapters
     ]
     stop = asyncio.Event()
     health = None

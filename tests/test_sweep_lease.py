@@ -1,0 +1,119 @@
+"""Several pollers of one cluster, one sweep: only the poller holding the cluster's intake lease lists the
+scheduler and cancels what no workflow names (``workers/sweeper.py``), so the scheduler's load does not grow with
+the number of pollers and a duplicate is cancelled and audited once.
+
+The scheduler is the in-memory one, which lists its jobs like ``squeue`` does for the sweep (``marked_jobs``) and
+counts the listings; the SLURM listing itself is tested on the real cluster in ``tests/test_sweep.py``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from temporalio.client import Client
+
+from activities.schedulers.base import MarkedJob
+from tests.conftest import make_config
+from tests.memory_adapter import MemoryAdapter, Script, _Job
+from tests.pipeline_harness import Pipeline, running_pipeline
+from virtengine_hpc.messages import CancelRequest, JobStatusView
+from virtengine_hpc.states import JobState
+from workers.intake_lease import IntakeLease
+from workers.metrics import WorkerMetrics
+from workers.poller import ChainPoller
+from workers.wiring import job_settings
+from workers.worker import _sweep
+
+
+@dataclass
+class ListingScheduler(MemoryAdapter):
+    """The in-memory scheduler, listing its live jobs with the workflow each belongs to (one call per listing)."""
+
+    listings: int = 0
+
+    async def marked_jobs(self) -> list[MarkedJob]:
+        self.listings += 1
+        out = []
+        for jid, job in self.jobs.items():
+            state, _ = self._state(job)
+            out.append(MarkedJob(scheduler_job_id=jid, workflow_id=job.workflow_id, final=state.final))
+        return out
+
+
+@pytest.fixture
+async def pipe(client: Client, tmp_path: Path, key_path: Path, task_queue: str) -> AsyncIterator[Pipeline]:
+    config = make_config(tmp_path, hpc={"cluster_id": f"c-{uuid.uuid4().hex[:8]}"})
+    scheduler = ListingScheduler(default=Script([(0, JobState.QUEUED), (0.2, JobState.RUNNING)]))
+    async with running_pipeline(client, config, key_path, scheduler, task_queue) as p:
+        yield p
+
+
+def poller(p: Pipeline, holder: str) -> ChainPoller:
+    """A poller of the pipeline's cluster, as another process (another lease holder) runs it."""
+    return ChainPoller(
+        p.client,
+        p.ledger,
+        p.config,
+        p.deps.audit,
+        task_queue=p.task_queue,
+        settings=job_settings(p.config),
+        lease=IntakeLease(p.client, p.cluster_id, term=p.config.hpc.job_service.intake_lease, holder=holder),
+    )
+
+
+async def named_job(p: Pipeline, job_id: str, within: float = 30) -> str:
+    deadline = time.monotonic() + within
+    while True:
+        await p.poller.poll_once()
+        try:
+            view = await p.handle(job_id).query("status", result_type=JobStatusView)
+            if view.scheduler_job_id is not None and view.state == JobState.RUNNING:
+                return view.scheduler_job_id
+        except Exception:
+            pass
+        assert time.monotonic() < deadline, f"{job_id} named no running job within {within:.0f} s"
+        await asyncio.sleep(0.2)
+
+
+async def test_of_two_pollers_only_the_lease_holder_sweeps_and_a_duplicate_is_cancelled_once(
+    pipe: Pipeline,
+) -> None:
+    """Two poller processes serve the cluster (a standby, or an old and a new release during an upgrade). A late
+    duplicate of a running job's submission is listed, cancelled and audited once per round, by the poller that
+    holds the intake lease; the other lists nothing. (Before, every poller swept: the scheduler was listed once
+    per poller per interval and overlapping rounds cancelled and audited the duplicate twice.)"""
+    scheduler = pipe.adapter
+    assert isinstance(scheduler, ListingScheduler)
+    job_id = pipe.submit()
+    own = await named_job(pipe, job_id)
+    late = "9999"  # a killed attempt's sbatch that the controller completed after the retry's check
+    scheduler.jobs[late] = _Job(job_id, scheduler.clock(), scheduler.default)
+    first, second = pipe.poller, poller(pipe, "another-poller-process")
+    await first.poll_once()  # it holds the cluster's intake lease (it started the job)
+    await second.poll_once()  # finds it taken: stands by
+    sweeps = [
+        _sweep(pipe.client, pipe.ledger, scheduler, pipe.config, pipe.deps.audit, p, WorkerMetrics())
+        for p in (first, second)
+    ]
+
+    rounds = await asyncio.gather(*(s.sweep_once() for s in sweeps))
+
+    assert scheduler.listings == 1, "the cluster was listed once, whatever the number of pollers"
+    assert [r.standby for r in rounds] == [False, True]
+    assert rounds[0].duplicates == [late]
+    audited = [
+        e for e in pipe.audit_events("duplicate_job_cancelled", job_id) if e["details"]["found_by"] == "sweep"
+    ]
+    assert [e["details"]["scheduler_job_id"] for e in audited] == [late], "cancelled and audited once"
+    assert scheduler.cancels == [late]
+    await pipe.handle(job_id).execute_update(
+        "request_cancel", CancelRequest(reason="test over"), result_type=JobStatusView
+    )
+    results = await pipe.run_until_done([job_id])
+    assert results[job_id].scheduler_job_id == own, "the workflow's own job was left to it"
