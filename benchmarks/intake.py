@@ -3,7 +3,7 @@
 Run::
 
     .venv/bin/python -m benchmarks.intake [--jobs 10000] [--churn-jobs 600] [--churn-limit 100]
-        [--churn-seconds 30]
+        [--churn-seconds 30] [--cancel-flood 1000] [--only-cancels]
 
 Dev servers are started for the run (in-memory SQLite, the job workflow's search attributes): one for each backlog
 run, so neither poller pays for the other's workflows, and one for the churn part. Workflows are started on a task
@@ -19,8 +19,14 @@ queue no worker polls: they stay open and hold their slot, so the figures are th
   freeing up. The benchmark wraps the client to count every workflow start that succeeds and every job it ends:
   running = started - ended, exact. Printed: the most that ran at once, and the overshoot above the limit.
 
+* **A flood of cancels**: one tenant cancels ``--cancel-flood`` of its pending jobs (no workflow yet: each cancel
+  is a signal answered "not found", a lookup, a start with the cancel in it and an audit record), then another
+  tenant cancels its job whose workflow runs. One round of the cancellation loop; printed: how many cancels were
+  forwarded before the other tenant's, how long it waited, and how long the whole round took.
+
 "Before" is the poller as it was (``ListingPoller`` below, kept here): it listed every running workflow of the
-cluster each poll, started jobs one at a time, and had no lease.
+cluster each poll, started jobs one at a time, and had no lease; its cancellation loop (``SerialCancels``) took
+the requests one at a time, oldest first.
 """
 
 from __future__ import annotations
@@ -92,6 +98,19 @@ class ListingPoller(ChainPoller):
         return stats
 
 
+class SerialCancels(ChainPoller):
+    """The cancellation loop before: one request at a time, oldest first (the chain listed them by age)."""
+
+    order: dict[str, int] = {}
+
+    async def _forward_cancellations(self, stats: PollStats) -> None:
+        requested = await self.chain.cancel_requested_jobs(self.cluster_id, self.provider)
+        for job_id in sorted(requested, key=lambda job_id: self.order.get(job_id, 0)):
+            if job_id not in self._signalled and await self._forward_cancel(job_id):
+                self._signalled.add(job_id)
+                stats.cancelled.append(job_id)
+
+
 class CountingClient:
     """The real client, counting the job workflow starts that succeed."""
 
@@ -99,6 +118,7 @@ class CountingClient:
         self.client = client
         self.started: list[str] = []
         self.first: float | None = None  # perf_counter of the first start
+        self.signalled: dict[str, float] = {}  # perf_counter of each workflow's first signal sent through it
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.client, name)
@@ -110,6 +130,22 @@ class CountingClient:
             if self.first is None:
                 self.first = time.perf_counter()
         return handle
+
+    def get_workflow_handle(self, workflow_id: str, **kwargs: Any) -> Any:
+        return _SignalTimes(self.client.get_workflow_handle(workflow_id, **kwargs), self.signalled)
+
+
+class _SignalTimes:
+    def __init__(self, handle: Any, signalled: dict[str, float]) -> None:
+        self.handle = handle
+        self.signalled = signalled
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.handle, name)
+
+    async def signal(self, *args: Any, **kwargs: Any) -> Any:
+        self.signalled.setdefault(self.handle.id, time.perf_counter())
+        return await self.handle.signal(*args, **kwargs)
 
 
 def cluster_config(base: Path, address: str, limit: int, interval: str = "1s") -> Config:
@@ -124,13 +160,13 @@ def cluster_config(base: Path, address: str, limit: int, interval: str = "1s") -
     )
 
 
-def fill(ledger: LocalLedger, config: Config, count: int) -> list[str]:
-    ledger.fund(TENANT, count)
+def fill(ledger: LocalLedger, config: Config, count: int, tenant: str = TENANT) -> list[str]:
+    ledger.fund(tenant, count)
     return [
         ledger.submit_job(
             {
                 "job_id": f"JOB-{uuid.uuid4().hex[:12]}",
-                "tenant": TENANT,
+                "tenant": tenant,
                 "provider": config.provider.address,
                 "offering_id": OFFERING,
                 "script": "true\n",
@@ -256,16 +292,57 @@ async def churn(
     }
 
 
+async def cancel_flood(kind: type[ChainPoller], base: Path, key: Path, flood: int) -> dict[str, Any]:
+    """One round of the cancellation loop: ``flood`` cancels of one tenant's pending jobs, requested first, then
+    another tenant's cancel of a running job. On a dev server of its own."""
+    env = await dev_server()
+    try:
+        address = env.client.service_client.config.target_host
+        config = cluster_config(base / f"cancel-{kind.__name__}", address, 1)
+        ledger = setup_ledger(config, Signer.from_file(key))
+        [victim] = fill(ledger, config, 1)
+        counting = CountingClient(env.client)
+        poller = make_poller(kind, counting, ledger, config, holder=f"cancel-{kind.__name__}")
+        assert (await poller.take_jobs()).started == [victim]  # its workflow runs (the one slot)
+        jobs = fill(ledger, config, flood, tenant="flooding-tenant")
+        for job_id in jobs:
+            ledger.request_cancel(job_id)
+        ledger.request_cancel(victim)
+        SerialCancels.order = {job_id: n for n, job_id in enumerate([*jobs, victim])}
+        t0 = time.perf_counter()
+        stats = await poller.forward_cancellations()
+        total = time.perf_counter() - t0
+        assert len(stats.cancelled) == flood + 1, len(stats.cancelled)
+        at = counting.signalled[victim]
+        return {
+            "cancel_loop": kind.__name__,
+            "flood": flood,
+            "forwarded_before_the_other_tenants": sum(1 for t in counting.signalled.values() if t < at),
+            "other_tenants_cancel_after_s": round(at - t0, 2),
+            "whole_round_s": round(total, 1),
+        }
+    finally:
+        await env.shutdown()
+
+
 async def main() -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--jobs", type=int, default=10_000, help="pending jobs of the backlog")
     parser.add_argument("--churn-jobs", type=int, default=600)
     parser.add_argument("--churn-limit", type=int, default=100)
     parser.add_argument("--churn-seconds", type=float, default=30.0)
+    parser.add_argument(
+        "--cancel-flood", type=int, default=1000, help="one tenant's cancels before another's"
+    )
+    parser.add_argument("--only-cancels", action="store_true", help="run the cancel flood part alone")
     args = parser.parse_args()
     base = Path(tempfile.mkdtemp(prefix="vehpc-intake-"))
     key = base / "provider.key"
     write_private_key(key)
+    for kind in (SerialCancels, ChainPoller):
+        print(json.dumps(await cancel_flood(kind, base, key, args.cancel_flood)), flush=True)
+    if args.only_cancels:
+        return
     for kind in (ListingPoller, ChainPoller):
         print(json.dumps(await backlog(kind, base, key, args.jobs)), flush=True)
     env = await dev_server()

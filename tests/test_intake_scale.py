@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 import uuid
 from collections.abc import AsyncIterator
 from datetime import timedelta
@@ -213,12 +214,19 @@ async def test_a_full_queue_reports_every_waiting_job_and_the_starts_it_made(
             await terminate_all(client, jobs[:10])
 
 
+async def cancel_signals(client: Client, job_id: str) -> int:
+    count = 0
+    async for event in client.get_workflow_handle(job_id).fetch_history_events():
+        count += event.workflow_execution_signaled_event_attributes.signal_name == "cancel"
+    return count
+
+
 async def test_two_pollers_forwarding_one_tenant_cancel_audit_it_once(
     client: Client, tmp_path: Path, key_path: Path, task_queue: str
 ) -> None:
-    """Every poller (standby ones too) forwards tenant cancellations. A pending job with no workflow is started
-    with the cancel in it (signal-with-start) by the intake lease holder alone, so the cancel is audited once
-    (``job_cancelled`` "cancelled before it started"); the standby poller's next round signals the workflow."""
+    """Two pollers, one holding the intake lease. A pending job with no workflow is started with the cancel in it
+    (signal-with-start) by the holder alone, so the cancel is audited once (``job_cancelled`` "cancelled before
+    it started") and signalled once: the standby poller forwards nothing while the holder lives."""
     config = pipeline_config(tmp_path, 5)
     async with running_pipeline(client, config, key_path, MemoryAdapter(), task_queue) as pipe:
         queue = idle_queue()
@@ -230,8 +238,157 @@ async def test_two_pollers_forwarding_one_tenant_cancel_audit_it_once(
             assert await a.lease.refresh() and not await b.lease.refresh(), "a holds the intake lease"
             forwarded = await asyncio.gather(a.forward_cancellations(), b.forward_cancellations())
             assert [stats.cancelled for stats in forwarded] == [[job], []]
-            assert (await b.forward_cancellations()).cancelled == [job], "b signals the workflow a started"
-            assert await signalled(client, job, "cancel")
+            assert [stats.standby for stats in forwarded] == [False, True]
+            assert (await b.forward_cancellations()).cancelled == [], "b leaves it to the holder"
+            assert (await a.forward_cancellations()).cancelled == [], "forwarded once"
+            assert await cancel_signals(client, job) == 1
             assert len(pipe.audit_events("job_cancelled", job)) == 1
         finally:
             await terminate_all(client, [job])
+
+
+async def test_two_fresh_pollers_forwarding_one_cancel_at_once_audit_it_once(
+    client: Client, tmp_path: Path, key_path: Path, task_queue: str
+) -> None:
+    """Both pollers have just started (neither has asked for the lease yet) and forward the same cancel at the same
+    moment: they race for the lease, one wins and starts the job with the cancel in it, once."""
+    config = pipeline_config(tmp_path, 5)
+    async with running_pipeline(client, config, key_path, MemoryAdapter(), task_queue) as pipe:
+        queue = idle_queue()
+        job = pipe.submit(decide=False)
+        pipe.ledger.request_cancel(job)
+        a = make_poller(pipe, client, queue, holder="poller-a")
+        b = make_poller(pipe, client, queue, holder="poller-b")
+        try:
+            forwarded = await asyncio.gather(a.forward_cancellations(), b.forward_cancellations())
+            assert sorted(len(stats.cancelled) for stats in forwarded) == [0, 1]
+            assert await cancel_signals(client, job) == 1
+            assert len(pipe.audit_events("job_cancelled", job)) == 1
+        finally:
+            await terminate_all(client, [job] + [lease_id(pipe.cluster_id, t) for t in lease_terms(a)])
+
+
+def lease_terms(poller: ChainPoller) -> list[int]:
+    now = int(time.time() // poller.lease.term)
+    return [now - 1, now, now + 1]
+
+
+async def test_the_pollers_of_two_clusters_audit_the_cancel_of_a_job_for_no_cluster_once(
+    client: Client, tmp_path: Path, key_path: Path, task_queue: str
+) -> None:
+    """A job that names no cluster is offered to every cluster of its provider, so each cluster's lease holder
+    forwards its cancel. Only the one whose start made the run audits it; the other's signal-with-start signals
+    that run."""
+    config = pipeline_config(tmp_path, 5)
+    async with running_pipeline(client, config, key_path, MemoryAdapter(), task_queue) as pipe:
+        queue = idle_queue()
+        job = pipe.submit(decide=False, offering_id="offering-of-no-cluster")
+        pipe.ledger.request_cancel(job)
+        other = f"c-{uuid.uuid4().hex[:8]}"
+        a = make_poller(pipe, client, queue, holder="poller-a")
+        b = ChainPoller(
+            client,
+            pipe.ledger,
+            config.model_copy(update={"hpc": config.hpc.model_copy(update={"cluster_id": other})}),
+            pipe.deps.audit,
+            task_queue=queue,
+            settings=job_settings(pipe.config),
+            lease=IntakeLease(client, other, term=config.hpc.job_service.intake_lease, holder="poller-b"),
+        )
+        try:
+            assert await a.lease.refresh() and await b.lease.refresh(), "each holds its own cluster's lease"
+            forwarded = await asyncio.gather(a.forward_cancellations(), b.forward_cancellations())
+            assert [stats.cancelled for stats in forwarded] == [[job], [job]]
+            assert len(pipe.audit_events("job_cancelled", job)) == 1
+        finally:
+            terms = lease_terms(a)
+            await terminate_all(
+                client, [job] + [lease_id(c, t) for t in terms for c in (pipe.cluster_id, other)]
+            )
+
+
+async def test_a_standby_poller_forwards_a_cancel_the_holder_left_for_a_whole_term(
+    client: Client, tmp_path: Path, key_path: Path, task_queue: str
+) -> None:
+    """The holder died after taking its terms: until they run out the standby poller cannot take the lease, but a
+    cancel still waiting after a whole term is forwarded by it (a running job is billed while it waits)."""
+    config = pipeline_config(tmp_path, 5)
+    async with running_pipeline(client, config, key_path, MemoryAdapter(), task_queue) as pipe:
+        queue = idle_queue()
+        job = pipe.submit()
+        await start_idle(pipe, job, queue)
+        pipe.ledger.request_cancel(job)
+        a = make_poller(pipe, client, queue, holder="poller-a")
+        now = [0.0]
+        b = make_poller(pipe, client, queue, holder="poller-b")
+        b.clock = lambda: now[0]
+        try:
+            assert await a.lease.refresh(), "a holds the lease, then dies"
+            assert (await b.forward_cancellations()).cancelled == []
+            now[0] = b.lease.term - 1
+            assert (await b.forward_cancellations()).cancelled == []
+            now[0] = b.lease.term
+            stats = await b.forward_cancellations()
+            assert stats.standby and stats.cancelled == [job]
+            assert await cancel_signals(client, job) == 1
+        finally:
+            await terminate_all(client, [job])
+
+
+async def test_a_flood_of_cancels_does_not_delay_another_tenants_cancel(
+    client: Client, tmp_path: Path, key_path: Path, task_queue: str
+) -> None:
+    """A tenant submits 300 jobs beyond the limit (pending, no workflow) and cancels them all; then another tenant
+    cancels a job whose workflow runs. The cancellations are taken in turns by tenant, ``cancel_concurrency`` at
+    once: the other tenant's cancel is among the first forwarded, not behind the whole flood (whose every cancel
+    costs a lookup, a start and an audit record). Every cancel of the flood is forwarded too, in the same round."""
+    config = pipeline_config(tmp_path, 5)
+    async with running_pipeline(client, config, key_path, MemoryAdapter(), task_queue) as pipe:
+        queue = idle_queue()
+        pipe.ledger.fund("mallory", 300)
+        flood = [pipe.submit(decide=False, max_price="1", tenant="mallory") for _ in range(300)]
+        for job_id in flood:
+            pipe.ledger.request_cancel(job_id)
+        victim = pipe.submit()
+        await start_idle(pipe, victim, queue)
+        pipe.ledger.request_cancel(victim)
+        order: list[str] = []
+        poller = make_poller(pipe, RecordingCalls(client, order), queue, holder="poller")
+        try:
+            stats = await poller.forward_cancellations()
+            assert sorted(stats.cancelled) == sorted([victim, *flood])
+            assert order.index(f"signal {victim}") < poller.cancel_concurrency + 1, order[:12]
+            assert await cancel_signals(client, victim) == 1
+        finally:
+            await terminate_all(client, [victim, *flood])
+
+
+class RecordingCalls:
+    """The real client, recording the order of the signals and starts sent through it."""
+
+    def __init__(self, client: Client, order: list[str]) -> None:
+        self.client = client
+        self.order = order
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.client, name)
+
+    async def start_workflow(self, *args: Any, **kwargs: Any) -> Any:
+        self.order.append(f"start {kwargs.get('id')}")
+        return await self.client.start_workflow(*args, **kwargs)
+
+    def get_workflow_handle(self, workflow_id: str, **kwargs: Any) -> Any:
+        return _RecordingHandle(self.client.get_workflow_handle(workflow_id, **kwargs), self.order)
+
+
+class _RecordingHandle:
+    def __init__(self, handle: Any, order: list[str]) -> None:
+        self.handle = handle
+        self.order = order
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.handle, name)
+
+    async def signal(self, *args: Any, **kwargs: Any) -> Any:
+        self.order.append(f"signal {self.handle.id}")
+        return await self.handle.signal(*args, **kwargs)

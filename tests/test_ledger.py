@@ -344,6 +344,17 @@ async def test_tenant_cancel_is_listed_until_the_job_is_final(ledger: LocalLedge
     assert not ledger.request_cancel(job_id)
 
 
+async def test_cancel_requests_are_listed_in_turns_by_tenant(ledger: LocalLedger) -> None:
+    """A tenant that cancels many jobs does not push another tenant's cancel to the end of the list."""
+    ledger.fund("mallory", "100")
+    flood = [ledger.submit_job(spec(tenant="mallory", max_price="1")) for _ in range(4)]
+    mine = [ledger.submit_job(spec()) for _ in range(2)]
+    for job_id in flood + mine:
+        ledger.request_cancel(job_id)
+    listed = await ledger.cancel_requested_jobs("c1", PROVIDER)
+    assert listed == [flood[0], mine[0], flood[1], mine[1], flood[2], flood[3]]
+
+
 # ---- the job state machine ---------------------------------------------------------------------------------
 
 

@@ -147,6 +147,14 @@ class JobServiceConfig(Section):
         description="Workflow starts the poller has in flight at once while it takes pending jobs. A single "
         "SQLite dev server gains nothing above 4; a Temporal cluster with several history shards gains more.",
     )
+    cancel_concurrency: int = Field(
+        8,
+        ge=1,
+        le=512,
+        description="Tenant cancellations the poller forwards at once (a signal, or for a job without a workflow a "
+        "start with the cancel in it). Each round takes them in turns by tenant, so one tenant's flood of cancels "
+        "cannot delay another tenant's.",
+    )
     intake_lease: Duration = Field(
         timedelta(seconds=30),
         ge=timedelta(seconds=10),

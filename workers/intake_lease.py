@@ -87,10 +87,6 @@ class IntakeLease:
             return False
         return term not in self._settle or now - term * self.term >= SETTLE_SECONDS
 
-    def held_elsewhere(self) -> bool:
-        """Another poller holds the current term, as the last ``refresh`` found (no I/O)."""
-        return self._term() in self._refused
-
     async def refresh(self) -> bool:
         """Take the current term if nobody has, and the next one once half-way through a held term; then
         ``valid()``. Temporal unreachable: not held (nothing is started without the lease anyway)."""

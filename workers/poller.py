@@ -14,16 +14,19 @@ It keeps up with a long backlog: it **counts** the running workflows of its clus
 workflow (one query per page), and starts ``start_concurrency`` workflows at a time. Visibility is eventually
 consistent, so two pollers counting at once would both fill the same free slots: only the poller that holds the
 cluster's intake lease (``workers/intake_lease.py``) starts jobs, and it adds the starts it made that visibility
-does not list yet to the count. The other pollers stand by, forward cancellations and reconcile; a cancelled job
-without a workflow is started (with the cancel in it) by the holder alone, so that it is audited once.
+does not list yet to the count. The other pollers stand by and reconcile; the holder forwards tenant cancellations, so
+that each is signalled once and a cancelled job without a workflow is started (with the cancel in it) and audited
+once (a standby poller forwards a cancel that has waited a whole lease term: the holder is gone).
 
 No job can stall the intake: a pending job whose workflow already ran and closed (terminated before it reported
 anything) is handed to the reconciler, which starts the run that closes it; a job whose start fails on its own is
 tried again with backoff while the fetch window grows past it, so the jobs behind it still start.
 
 Tenant cancellations seen on chain become ``cancel`` signals, in a loop of their own: a backlog of starts never
-delays a cancel. Only Temporal's NOT_FOUND answer means "no workflow": then a job still pending on chain that never
-had a workflow is cancelled (and refunded) on chain directly, and one whose workflow closed goes to the reconciler.
+delays a cancel. They are forwarded ``cancel_concurrency`` at a time in the chain's order, in turns by tenant, so a
+tenant's flood of cancels does not delay another tenant's. Only Temporal's NOT_FOUND answer means "no workflow":
+then a job still pending on chain that never had a workflow gets its workflow started with the cancel in it (the
+workflow cancels and refunds it on chain), and one whose workflow closed goes to the reconciler.
 Any other error is retried next round and never touches the chain, since a workflow may still run the job.
 
 Beside the polls, the reconciler (``workers/reconciler.py``) runs its own loop every ``reconcile_interval``.
@@ -40,6 +43,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pydantic import ValidationError as PydanticValidationError
+from temporalio.api.workflowservice.v1 import SignalWithStartWorkflowExecutionResponse
 from temporalio.client import Client, WorkflowExecutionStatus, WorkflowHandle
 from temporalio.common import WorkflowIDConflictPolicy, WorkflowIDReusePolicy
 from temporalio.exceptions import WorkflowAlreadyStartedError
@@ -87,7 +91,7 @@ class PollStats:
     paused: int = 0  # pending jobs left on chain because hpc.enabled is false
     recovered: list[str] = field(default_factory=list)  # closed workflows handed to the reconciler
     held: list[str] = field(default_factory=list)  # jobs whose start failed, waiting for their retry
-    standby: bool = False  # another poller holds the intake lease: nothing was started here
+    standby: bool = False  # another poller holds the intake lease: nothing was started (or forwarded) here
     running: int = 0  # workflows of the cluster counted as running before the starts
 
 
@@ -121,10 +125,12 @@ class ChainPoller:
         # One whose workflow closed while its job is pending is the reconciler's to close.
         self._taken: set[str] = set()
         self._signalled: set[str] = set()
+        self._cancel_seen: dict[str, float] = {}  # when each pending cancel request was first seen (clock)
         service = config.hpc.job_service
         interval = service.job_poll_interval.total_seconds()
         self._holds = Backoff(max(interval, 1.0), MAX_START_BACKOFF_SECONDS, clock)
         self.start_concurrency = service.start_concurrency
+        self.cancel_concurrency = service.cancel_concurrency
         self.lease = lease or IntakeLease(client, self.cluster_id, term=service.intake_lease)
         self.reconciler = Reconciler(
             client,
@@ -322,13 +328,14 @@ class ChainPoller:
         )
         return True
 
-    async def _start_workflow(self, inp: JobWorkflowInput, *, cancel: CancelRequest | None = None) -> None:
+    async def _start_workflow(self, inp: JobWorkflowInput, *, cancel: CancelRequest | None = None) -> bool:
         """Start the job's workflow (workflow id = chain job id, never a second run); with ``cancel``, as
-        signal-with-start: a run that exists by now gets the cancel instead."""
+        signal-with-start: a run that exists by now gets the cancel instead. False when it did (the run was not
+        started by this call)."""
         extra: dict[str, Any] = {}
         if cancel is not None:
             extra = {"start_signal": "cancel", "start_signal_args": [cancel]}
-        await self.client.start_workflow(
+        handle = await self.client.start_workflow(
             JOB_WORKFLOW_NAME,
             inp,
             id=inp.job.job_id,
@@ -340,6 +347,7 @@ class ChainPoller:
             search_attributes=initial_search_attributes(inp),
             **extra,
         )
+        return _started_here(handle)
 
     async def _accept(self, chain_job: ChainJob, stats: PollStats) -> JobWorkflowInput | None:
         """The workflow input of a job, or None when the job is refused (failed on chain with the reason).
@@ -472,28 +480,55 @@ class ChainPoller:
             self.metrics.poll_failures.labels(self.cluster_id, cause).inc()
 
     async def _forward_cancellations(self, stats: PollStats) -> None:
+        """Forward the tenant cancellations on chain, ``cancel_concurrency`` at once, in the chain's order (in
+        turns by tenant, so that one tenant's flood does not delay another's cancel). The intake lease holder
+        forwards them; a standby poller only those that have waited a whole lease term (the holder is gone), so
+        that a cancel is signalled once."""
         requested = await self.chain.cancel_requested_jobs(self.cluster_id, self.provider)
+        now = self.clock()
         self._signalled &= set(requested)  # the others are final now
-        for job_id in requested:
-            if job_id in self._signalled:
-                continue
-            handle: WorkflowHandle[object, object] = self.client.get_workflow_handle(job_id)
-            try:
-                await handle.signal("cancel", CancelRequest(reason="cancelled by the tenant on chain"))
-            except RPCError as exc:
-                if exc.status != RPCStatusCode.NOT_FOUND:
-                    # The workflow may well be running the job: touch nothing, try again next round.
-                    log.warning(
-                        "cannot forward the tenant's cancel of job %s: %s; trying again next round",
-                        job_id,
-                        exc,
-                        extra={"job_id": job_id, "cluster_id": self.cluster_id},
-                    )
-                    continue
-                if not await self._cancel_without_workflow(handle, job_id):
-                    continue
-            self._signalled.add(job_id)
-            stats.cancelled.append(job_id)
+        self._cancel_seen = {job_id: self._cancel_seen.get(job_id, now) for job_id in requested}
+        todo = [job_id for job_id in requested if job_id not in self._signalled]
+        if not await self.lease.refresh():
+            stats.standby = True
+            todo = [job_id for job_id in todo if now - self._cancel_seen[job_id] >= self.lease.term]
+        pending = iter(todo)
+        failures: list[Exception] = []
+
+        async def forward() -> None:
+            for job_id in pending:  # shared: each forwarder takes the next request, in order
+                try:
+                    forwarded = await self._forward_cancel(job_id)
+                except (HPCError, RPCError) as exc:  # the chain or Temporal is down: next round
+                    failures.append(exc)
+                    return
+                if forwarded:
+                    self._signalled.add(job_id)
+                    stats.cancelled.append(job_id)
+                if failures:
+                    return
+
+        await asyncio.gather(*(forward() for _ in range(min(self.cancel_concurrency, len(todo)))))
+        if failures:
+            raise failures[0]
+
+    async def _forward_cancel(self, job_id: str) -> bool:
+        """Signal the job's workflow; without one, ``_cancel_without_workflow``. True when forwarded."""
+        handle: WorkflowHandle[object, object] = self.client.get_workflow_handle(job_id)
+        try:
+            await handle.signal("cancel", CancelRequest(reason="cancelled by the tenant on chain"))
+        except RPCError as exc:
+            if exc.status != RPCStatusCode.NOT_FOUND:
+                # The workflow may well be running the job: touch nothing, try again next round.
+                log.warning(
+                    "cannot forward the tenant's cancel of job %s: %s; trying again next round",
+                    job_id,
+                    exc,
+                    extra={"job_id": job_id, "cluster_id": self.cluster_id},
+                )
+                return False
+            return await self._cancel_without_workflow(handle, job_id)
+        return True
 
     async def _cancel_without_workflow(self, handle: WorkflowHandle[object, object], job_id: str) -> bool:
         """The signal found no running workflow. Cancel the job on chain directly (escrow refunded) only if it is
@@ -513,9 +548,8 @@ class ChainPoller:
         if closed is not None or job.state != JobState.PENDING:
             await self.reconciler.recover(job, closed)
             return False
-        if self.lease.held_elsewhere():
-            # The intake lease holder starts it (the same cancel reaches it): one start, one audit record. Once
-            # started, the next round's signal reaches the workflow from here too.
+        if not self.lease.valid():
+            # The intake lease holder starts it (the same cancel reaches it): one start, one audit record.
             return False
         # Start its workflow with the cancel already in it (signal-with-start): the workflow stays the only writer
         # of the job's chain state, so another poller starting it at this moment cannot run a job the chain
@@ -524,9 +558,11 @@ class ChainPoller:
         if inp is None:
             return True  # refused on chain (failed, refunded)
         try:
-            await self._start_workflow(inp, cancel=CancelRequest(reason="cancelled by the tenant"))
+            started = await self._start_workflow(inp, cancel=CancelRequest(reason="cancelled by the tenant"))
         except WorkflowAlreadyStartedError:
             return False  # a run closed meanwhile: the reconciler's case, next round
+        if not started:
+            return True  # another cluster's poller started it a moment ago (a job for no cluster): signalled
         self.audit.record(
             "job_cancelled",
             job_id=job_id,
@@ -534,6 +570,14 @@ class ChainPoller:
             details={"reason": "cancelled before it started"},
         )
         return True
+
+
+def _started_here(handle: WorkflowHandle[Any, Any]) -> bool:
+    """Whether a start made the run, rather than signalling one that existed (signal-with-start). Temporal says so
+    in its answer (``started``, servers from 1.25), which the SDK keeps on the handle without a public accessor;
+    when it cannot be read, the start counts as made here (a second audit record rather than none)."""
+    answer = getattr(handle, "_start_workflow_response", None)
+    return not isinstance(answer, SignalWithStartWorkflowExecutionResponse) or answer.started
 
 
 def _payload_refused(exc: RPCError) -> bool:

@@ -92,7 +92,8 @@ class ChainClient(Protocol):
 
     async def cancel_requested_jobs(self, cluster_id: str, provider: str) -> list[str]:
         """Ids of this provider's non-final jobs on ``cluster_id`` (as ``pending_jobs`` assigns them, or where they
-        reported running) whose tenant asked to cancel, oldest first."""
+        reported running) whose tenant asked to cancel, in turns by tenant: every tenant's oldest request, then
+        every tenant's second, and so on, so that one tenant's flood does not delay another tenant's cancel."""
         ...
 
     async def open_jobs(

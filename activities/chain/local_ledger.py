@@ -101,11 +101,15 @@ _COUNT_PENDING_SQL = (
     f"AND {_RUNS_ON} "
     "AND seq > COALESCE((SELECT seq FROM jobs WHERE job_id = ?3), 0)"
 )
+# Cancel requests in turns by tenant (each tenant's oldest first, then each one's second, ...): one tenant's flood
+# of cancels does not push another tenant's to the end of the list.
 _CANCEL_SQL = (
-    "SELECT job_id FROM jobs WHERE provider = ?1 AND cancel_requested = 1 "  # noqa: S608
+    "SELECT job_id FROM (SELECT job_id, seq, "  # noqa: S608
+    "ROW_NUMBER() OVER (PARTITION BY tenant ORDER BY seq) AS turn FROM jobs "
+    "WHERE provider = ?1 AND cancel_requested = 1 "
     "AND state NOT IN ('completed', 'failed', 'timeout', 'cancelled') "
-    f"AND {_RUNS_ON} "
-    "ORDER BY seq"
+    f"AND {_RUNS_ON}) "
+    "ORDER BY turn, seq"
 )
 _OPEN_SQL = (
     "SELECT * FROM jobs WHERE provider = ?1 "  # noqa: S608
