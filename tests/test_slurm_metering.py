@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from decimal import Decimal
 from pathlib import Path
 
@@ -191,6 +191,80 @@ async def test_a_requeued_job_running_again_is_read_with_its_earlier_run() -> No
     later = (await slurm.usage("2552")).reading
     assert later.wall_clock_seconds == 12 + 5
     assert later.disk_bytes_read == 8313 + 14785 + 7809
+
+
+def renamed(line: str) -> str:
+    """A run of job 2552 whose owner changed its name and comment (``scontrol update JobName=… Comment=…``)."""
+    return line.replace("|metering-requeue|wf:metering-requeue", "|renamed|other")
+
+
+async def test_a_requeued_job_its_owner_renamed_is_billed_for_every_run() -> None:
+    """The job's owner may rename its own job and change its comment in a later run: its earlier run held the
+    allocation all the same and is billed (before, a different name or comment dropped it: 6 s billed of 18)."""
+    lines = golden("sacct_requeued.txt").splitlines()
+    lines[3] = renamed(lines[3])
+    usage = await adapter(GoldenBackend("\n".join(lines) + "\n")).usage("2552")
+    assert usage.final and usage.reading.wall_clock_seconds == 12 + 6
+    assert meter(usage.reading, Resources(memory_mb_per_node=256)).metrics.cpu_core_seconds == 18
+
+
+async def test_a_requeued_job_renamed_while_running_again_is_read_with_its_earlier_run() -> None:
+    """Renamed at the start of run 2: while run 2 runs, run 1 still counts (else every period record would be 0
+    until run 2 had run longer than run 1, the reading being below what the records already billed)."""
+    lines = golden("sacct_requeued.txt").splitlines()
+    second = renamed(lines[3]).replace("|COMPLETED|", "|RUNNING|")
+    second_start = datetime.fromtimestamp(1796159394, UTC)
+    slurm = adapter(
+        GoldenBackend(
+            "\n".join([*lines[:3], second]) + "\n",
+            queued=[running("2552", 3, "cpu=1,mem=256M,node=1", second_start)],
+        )
+    )
+    assert (await slurm.usage("2552")).reading.wall_clock_seconds == 12 + 3
+
+
+# ---- slurmrestd: no run time of its own; suspended time is not run time ------------------------------------------
+
+
+def rest_job(state: str, start: datetime, suspend: datetime | None, before_suspend: int) -> p.QueueJob:
+    """A job as ``GET /slurm/v0.0.38/jobs`` gives it (the captured running job, its times changed)."""
+    body = json.loads((GOLDEN.parent / "rest_job_get_pending_or_running.json").read_text())
+    raw = body["jobs"][0]
+    raw.update(
+        job_state=state,
+        start_time=int(start.timestamp()),
+        end_time=int((start + timedelta(hours=1)).timestamp()),  # its time limit, in the future
+        suspend_time=int(suspend.timestamp()) if suspend else 0,
+        pre_sus_time=before_suspend,
+        tres_alloc_str="cpu=1,mem=256M,node=1,billing=1",
+    )
+    body["jobs"] = [raw]
+    (job,) = p.parse_rest_jobs(body)
+    return job
+
+
+async def test_slurmrestd_does_not_bill_the_time_a_job_was_suspended() -> None:
+    """Ran 40 s, suspended 60 s ago and still suspended: it has run 40 s, as squeue's TimeUsed says (before:
+    now - start, 100 s, and the high-water mark kept it to the final record)."""
+    now = datetime.now(UTC)
+    job = rest_job("SUSPENDED", now - timedelta(seconds=100), now - timedelta(seconds=60), 40)
+    usage = await adapter(GoldenBackend("", queued=[job])).usage(job.job_id)
+    assert usage.reading.wall_clock_seconds == 40
+
+
+async def test_slurmrestd_does_not_bill_the_time_a_resumed_job_was_suspended() -> None:
+    """Ran 40 s, was suspended 40 s, resumed 20 s ago: it has run 60 s (before: 100 s)."""
+    now = datetime.now(UTC)
+    job = rest_job("RUNNING", now - timedelta(seconds=100), now - timedelta(seconds=20), 40)
+    usage = await adapter(GoldenBackend("", queued=[job])).usage(job.job_id)
+    assert 60 <= usage.reading.wall_clock_seconds <= 61  # a second may tick between now and the reading
+
+
+async def test_slurmrestd_reads_a_job_never_suspended_from_its_start() -> None:
+    now = datetime.now(UTC)
+    job = rest_job("RUNNING", now - timedelta(seconds=30), None, 0)
+    usage = await adapter(GoldenBackend("", queued=[job])).usage(job.job_id)
+    assert 30 <= usage.reading.wall_clock_seconds <= 31
 
 
 # ---- sites with energy, GPU and interconnect accounting (composed shapes) ----------------------------------------

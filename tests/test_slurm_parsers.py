@@ -227,6 +227,18 @@ def test_sacct_reused_job_id_keeps_the_latest_submission() -> None:
     assert job.earlier_runs == [], "another job under a reused id is not an earlier run of this one"
 
 
+def test_sacct_reused_job_id_after_a_requeued_job_is_not_its_run() -> None:
+    """An id reused after a rebuild, by the same account: the old job was requeued once, then completed. Its
+    completed run ends the walk back from the new job: neither of the old job's runs is the new job's."""
+    fields = ("JobIDRaw", "State", "ExitCode", "ElapsedRaw", "Submit", "JobName", "Comment", "User")
+    text = (
+        "12|REQUEUED|0:0|50|1795000000|old||acct\n12|COMPLETED|0:0|5|1795000100|old||acct\n"
+        "12|REQUEUED|0:0|7|1796040000|new||acct\n12|COMPLETED|0:0|1|1796040100|renamed||acct\n"
+    )
+    (job,) = p.parse_sacct(text, fields)
+    assert [(run.name, run.elapsed_seconds) for run in job.runs] == [("new", 7), ("renamed", 1)]
+
+
 def test_sacct_duplicates_of_a_requeued_job_are_its_runs() -> None:
     (job,) = p.parse_sacct(golden("metering/sacct_requeued.txt"))
     assert [(run.state, run.elapsed_seconds, len(run.steps)) for run in job.runs] == [

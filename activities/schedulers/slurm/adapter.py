@@ -539,13 +539,10 @@ class SlurmAdapter(BatchSchedulerAdapter):
             self._see(seen, step.step_id, _acct_step(step))
         for step_live in live or []:
             self._see(seen, step_live.step_id, _live_step(step_live))
-        elapsed = job.elapsed_seconds
         now = datetime.now(UTC)
-        if elapsed is None:  # slurmrestd gives no run time: derive it from the start
-            # Up to the job's end when the controller already has one (COMPLETING after a cancel: the processes
-            # are still exiting, the clock stopped); for a running job end_time is its limit, in the future.
-            end = min(now, job.end_time) if job.end_time is not None else now
-            elapsed = max(0, int((end - (job.start_time or end)).total_seconds()))
+        elapsed = job.elapsed_seconds
+        if elapsed is None:  # slurmrestd gives no run time: derive it as the controller does
+            elapsed = _run_time(job, now)
         reading = _job_reading(list(seen.values()), Decimal(elapsed), job.alloc_tres, taken_at=now)
         if earlier:  # a requeued job: its earlier runs, closed in accounting, are billed as well
             reading = _runs_reading([*(_run_reading(r, taken_at=now) for r in earlier), reading])
@@ -593,7 +590,7 @@ class SlurmAdapter(BatchSchedulerAdapter):
     def _queue_usage(self, job_id: str, job: p.QueueJob, *, final: bool) -> Accounting:
         elapsed = job.elapsed_seconds
         if elapsed is None and job.start_time is not None and job.end_time is not None:
-            elapsed = max(0, int((job.end_time - job.start_time).total_seconds()))
+            elapsed = _run_time(job, job.end_time)
         # The controller says the job ended but not when (slurmrestd right after a cancel): never extrapolate to
         # "now", which would bill time the job did not run; the last reading stands until accounting closes it.
         run = self._steps.get(job_id)
@@ -679,6 +676,19 @@ def _started(job: p.AcctJob) -> bool:
     """Whether accounting says the job started: it has a start time and ran, or at least got an allocation
     (a job that fails at once ran for 0 s; a job cancelled while pending has no allocation)."""
     return job.start_time is not None and (job.elapsed_seconds > 0 or bool(job.alloc_tres))
+
+
+def _run_time(job: p.QueueJob, now: datetime) -> int:
+    """The seconds a job the controller holds has run by ``now``, suspended time excluded, as Slurm counts them
+    (``squeue``'s TimeUsed): the run time it had when last suspended, and, unless it is suspended now, the time
+    since it last started or resumed, up to its end when the controller already has one (COMPLETING after a
+    cancel: the processes are still exiting, the clock stopped; for a running job ``end_time`` is its limit, in
+    the future)."""
+    if map_state(job.state).state == JobState.SUSPENDED:
+        return job.pre_suspend_seconds
+    end = min(now, job.end_time) if job.end_time is not None else now
+    since = job.suspend_time or job.start_time or end
+    return job.pre_suspend_seconds + max(0, int((end - since).total_seconds()))
 
 
 def _split_runs(

@@ -145,6 +145,11 @@ class QueueJob:
     comment: str = ""
     exit_code: int | None = None
     """Known from slurmrestd (its raw wait status); ``squeue`` cannot print exit codes."""
+    suspend_time: datetime | None = None
+    """slurmrestd: when the job was last suspended or resumed (None: never); with ``pre_suspend_seconds``, what
+    its run time is derived from (it gives no run time of its own)."""
+    pre_suspend_seconds: int = 0
+    """slurmrestd: the run time the job had when it was last suspended."""
 
 
 @dataclass
@@ -404,13 +409,20 @@ def parse_sacct(text: str, fields: Sequence[str] = SACCT_FIELDS, *, sep: str | N
     return group_runs(order)
 
 
+#: How a run that the same job followed can have ended: Slurm requeued it (``scontrol requeue``, preemption in
+#: requeue mode, a node that failed or did not boot under a job that may be requeued).
+_REQUEUED_ENDS = ("REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "PREEMPTED", "NODE_FAIL", "BOOT_FAIL")
+
+
 def group_runs(records: Sequence[AcctJob]) -> list[AcctJob]:
     """One ``AcctJob`` per job id, the latest run, with the job's earlier runs attached (``earlier_runs``).
 
-    Accounting may hold one id several times: the runs of a requeued job (same name, comment and user, each run
-    submitted anew), or an id reused after the cluster was rebuilt (another job). The latest submission is the
-    job; the records of the same id that share its name, comment and user are its earlier runs; the others were
-    another job and are dropped.
+    Accounting may hold one id several times: the runs of a requeued job (each run submitted anew), or an id
+    reused after the cluster was rebuilt (another job). The latest submission is the job; going back from it, a
+    record of the same user is an earlier run while it ended in a requeue or carries the same name and comment;
+    the first one that does neither was another job, and so is everything before it. Name and comment alone do
+    not decide: a job's owner can change both (``scontrol update``) in a later run, and its earlier runs held
+    their allocation all the same.
     """
     by_id: dict[str, list[AcctJob]] = {}
     for record in records:
@@ -419,11 +431,14 @@ def group_runs(records: Sequence[AcctJob]) -> list[AcctJob]:
     for same_id in by_id.values():
         ordered = sorted(same_id, key=lambda r: r.submit_time or datetime.min.replace(tzinfo=UTC))
         latest = ordered[-1]
-        latest.earlier_runs = [
-            r
-            for r in ordered[:-1]
-            if (r.name, r.comment, r.user) == (latest.name, latest.comment, latest.user)
-        ]
+        earlier: list[AcctJob] = []
+        for run in reversed(ordered[:-1]):
+            same = (run.name, run.comment) == (latest.name, latest.comment)
+            requeued = (run.state.split() or [""])[0] in _REQUEUED_ENDS
+            if run.user != latest.user or not (same or requeued):
+                break
+            earlier.insert(0, run)
+        latest.earlier_runs = earlier
         jobs.append(latest)
     return jobs
 
@@ -547,6 +562,8 @@ def parse_rest_jobs(body: Mapping[str, Any]) -> list[QueueJob]:
                 name=str(raw.get("name") or ""),
                 comment=_text(str(raw.get("comment") or "")),
                 exit_code=exit_code_from_wait_status(_number(raw.get("exit_code"))),
+                suspend_time=parse_time(_number(raw.get("suspend_time"))),
+                pre_suspend_seconds=max(0, int(_number(raw.get("pre_sus_time")) or 0)),
             )
         )
     return jobs
