@@ -39,7 +39,7 @@ from tests.conftest import make_config
 from tests.memory_adapter import MemoryAdapter, Script
 from tests.pipeline_harness import TENANT, running_pipeline, setup_ledger
 from virtengine_hpc.config import Secrets
-from virtengine_hpc.errors import ChainUnavailable
+from virtengine_hpc.errors import ChainError, ChainUnavailable
 from virtengine_hpc.markers import claimed_workflow
 from virtengine_hpc.messages import JobStatusView, SubmitInput, SubmitOutput, UsageInput, WatchInput
 from virtengine_hpc.metering import meter
@@ -508,6 +508,62 @@ async def test_a_usage_retry_after_a_lost_answer_carries_the_stored_record(
     assert results[job_id].state == JobState.COMPLETED, results[job_id].message
     records = pipe.ledger.usage_records(job_id)
     assert [r.sequence for r in records] == list(range(1, len(records) + 1)) and len(records) >= 3
+    assert sum_metrics([r.metrics for r in records]) == metered(final, asked(pipe, job_id))
+    settlement = pipe.ledger.settlement(job_id)
+    assert settlement is not None and settlement.charged + settlement.refunded == settlement.escrow
+
+
+class RefusingChain:
+    """The LocalLedger behind a connection that refuses a job's second record for good, ``times`` times (a
+    non-transient chain error: the report's attempts end at once)."""
+
+    def __init__(self, ledger: LocalLedger, times: int = 2) -> None:
+        self.ledger = ledger
+        self.left = times
+        self.refused = 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.ledger, name)
+
+    async def submit_usage(self, records: list[UsageRecord]) -> UsageSubmitResult:
+        if self.left and any(r.sequence == 2 for r in records):
+            self.left -= 1
+            self.refused += 1
+            raise ChainError("the chain refused the batch")
+        return await self.ledger.submit_usage(records)
+
+
+async def test_a_period_report_that_failed_for_good_leaves_no_gap(
+    client: Any, tmp_path: Path, key_path: Path, task_queue: str
+) -> None:
+    """Record 2 is refused for good (twice: the watch's report, then the workflow's own): the next record covers
+    that period too and starts where record 1 ended. Before, it started when the report failed (a 2 s gap that
+    ``usage verify`` fails the job for, though the gap was billed) and ended past its own reading."""
+    adapter = MemoryAdapter(
+        default=Script(
+            [(0.0, JobState.QUEUED), (0.2, JobState.RUNNING), (9.0, JobState.COMPLETED)], exit_code=0
+        )
+    )
+    chains: list[RefusingChain] = []
+
+    def refusing(ledger: LocalLedger) -> RefusingChain:
+        chains.append(RefusingChain(ledger))
+        return chains[-1]
+
+    config = make_config(tmp_path)
+    async with running_pipeline(client, config, key_path, adapter, task_queue, chain=refusing) as pipe:
+        job_id = pipe.submit()
+        results = await pipe.run_until_done([job_id], timeout=90)
+        scheduler_job_id = results[job_id].scheduler_job_id
+        assert scheduler_job_id is not None
+        final = await adapter.usage(scheduler_job_id)
+    assert chains[0].refused == 2, "record 2 was refused twice"
+    assert results[job_id].state == JobState.COMPLETED, results[job_id].message
+    records = pipe.ledger.usage_records(job_id)
+    assert [r.sequence for r in records] == list(range(1, len(records) + 1)) and len(records) >= 3
+    assert [(a.period_end, a.sequence + 1) for a in records[:-1]] == [
+        (b.period_start, b.sequence) for b in records[1:]
+    ], "each record starts where the one before ended"
     assert sum_metrics([r.metrics for r in records]) == metered(final, asked(pipe, job_id))
     settlement = pipe.ledger.settlement(job_id)
     assert settlement is not None and settlement.charged + settlement.refunded == settlement.escrow

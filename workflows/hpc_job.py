@@ -89,6 +89,10 @@ instead of holding a heartbeating watch activity. Decided once per run: a run th
 PATCH_PARKED_MOVES = "continue-as-new-while-parked"
 """A parked job wakes every ``max_watch_seconds`` and continues as new when its history is long or another build
 became current (the new run waits parked the same way): a job waiting for an operator pinned its build for ever."""
+PATCH_FAILED_REPORT_KEEPS_PERIOD = "failed-report-keeps-period"
+"""A period report that failed for good leaves the period where the last record ended and waits an interval before
+the next try: it moved the next period's start to the moment of the failure, so the next record began after a gap
+it billed nonetheless (``usage verify`` failed the job: a record not starting where the one before ended)."""
 CANCEL_BACKOFF_CAP = timedelta(minutes=5)
 _MIN_TIMER = timedelta(milliseconds=100)
 _DONE = object()
@@ -131,6 +135,7 @@ class HPCJobWorkflow:
         self._timer_at: datetime | None = None
         # When this run last tried a period record, and last registered with its monitor or heard from it.
         self._report_tried_at: datetime | None = None
+        self._report_failed_at: datetime | None = None
         self._contact_at: datetime | None = None
         self.recovered = False  # a recovery run has found where the job stands
         if inp.recovery is not None and inp.carried is None:
@@ -911,8 +916,12 @@ class HPCJobWorkflow:
             if final and self.v2:
                 raise  # the job cannot settle without it: the finish path parks it
             if not self.by_monitor:
-                # retry_on_failure is off and the attempts ran out: the next record covers this period too.
-                self.c = self.c.model_copy(update={"last_report_at": workflow.now()})
+                # The attempts ran out (or the error is final): the next record covers this period too, from
+                # where the last one ended; it is tried an interval from now.
+                if workflow.patched(PATCH_FAILED_REPORT_KEEPS_PERIOD):
+                    self._report_failed_at = workflow.now()
+                else:
+                    self.c = self.c.model_copy(update={"last_report_at": workflow.now()})
             return  # (waiting for the monitor: the next try comes an interval after this one)
         if out.record_id is None and not final:
             return  # the job has ended: its final record follows once the monitor says so
@@ -1102,7 +1111,10 @@ class HPCJobWorkflow:
         last = self.c.last_report_at or self.c.started_at
         interval = timedelta(seconds=self.settings.report_interval_seconds)
         if last is None or not self.by_monitor:
-            return None if last is None else last + interval
+            if last is None:
+                return None
+            failed = self._report_failed_at  # set only on the patched path (PATCH_FAILED_REPORT_KEEPS_PERIOD)
+            return last + interval if failed is None else max(last, failed) + interval
         due = last + interval
         start = self.c.started_at
         if start is not None and last >= start:
