@@ -407,6 +407,10 @@ async def test_usage_verify_refuses_what_the_format_forbids(
             1, lambda r: r.update(period_end=r["period_end"].rstrip("Z"))
         ),
         'sequence is "1": an integer is a JSON number': variant(1, lambda r: r.update(sequence="1")),
+        # Nine digits: a reader cuts them to the microsecond, the signed instant, though this one is another.
+        'period_end is "2026-11-30T12:05:00.000123999Z": a time is a JSON string in RFC 3339': variant(
+            1, lambda r: r.update(period_end=r["period_end"].replace("Z", "999Z"))
+        ),
         "energy_joules: missing": variant(1, lambda r: r["metrics"].pop("energy_joules")),
     }
     # A duplicate key: json keeps the last value (the signed one), hiding the first from a lenient reader.

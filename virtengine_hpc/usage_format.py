@@ -16,7 +16,7 @@ from collections import Counter
 from typing import Any, Literal
 
 _TIME = re.compile(
-    r"[0-9]{4}-[0-9]{2}-[0-9]{2}T[0-9]{2}:[0-9]{2}:[0-9]{2}(\.[0-9]{1,9})?(Z|[+-][0-9]{2}:[0-9]{2})", re.ASCII
+    r"[0-9]{4}-[0-9]{2}-[0-9]{2}T[0-9]{2}:[0-9]{2}:[0-9]{2}(\.[0-9]{1,6})?(Z|[+-][0-9]{2}:[0-9]{2})", re.ASCII
 )
 _DECIMAL = re.compile(r"-?[0-9]{1,40}(\.[0-9]{1,40})?", re.ASCII)
 
