@@ -239,6 +239,19 @@ def test_sacct_reused_job_id_after_a_requeued_job_is_not_its_run() -> None:
     assert [(run.name, run.elapsed_seconds) for run in job.runs] == [("new", 7), ("renamed", 1)]
 
 
+def test_sacct_reused_job_id_after_a_node_failure_is_not_its_run() -> None:
+    """An id reused by the same account: the old job ended NODE_FAIL (not requeued: it had no --requeue). A
+    requeue submits the next run the moment it ends the last; this old run ended a day before, so it is not the
+    new job's, renamed or not."""
+    fields = ("JobIDRaw", "State", "ExitCode", "ElapsedRaw", "Submit", "End", "JobName", "Comment", "User")
+    text = (
+        "12|NODE_FAIL|0:0|50|1795900000|1795950000|old||acct\n"
+        "12|NODE_FAIL|0:0|7|1796040000|1796040007|new||acct\n12|COMPLETED|0:0|1|1796040009|1796040100|x||acct\n"
+    )
+    (job,) = p.parse_sacct(text, fields)
+    assert [(run.name, run.elapsed_seconds) for run in job.runs] == [("new", 7), ("x", 1)]
+
+
 def test_sacct_duplicates_of_a_requeued_job_are_its_runs() -> None:
     (job,) = p.parse_sacct(golden("metering/sacct_requeued.txt"))
     assert [(run.state, run.elapsed_seconds, len(run.steps)) for run in job.runs] == [

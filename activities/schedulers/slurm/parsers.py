@@ -16,7 +16,7 @@ import re
 import secrets
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from decimal import Decimal
 from typing import Any
 
@@ -412,6 +412,9 @@ def parse_sacct(text: str, fields: Sequence[str] = SACCT_FIELDS, *, sep: str | N
 #: How a run that the same job followed can have ended: Slurm requeued it (``scontrol requeue``, preemption in
 #: requeue mode, a node that failed or did not boot under a job that may be requeued).
 _REQUEUED_ENDS = ("REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "PREEMPTED", "NODE_FAIL", "BOOT_FAIL")
+#: A requeue ends a run and submits the next one at the same moment (the controller's clock, both times): a run
+#: that ended longer than this before the next record's submission was not requeued into it.
+_REQUEUE_GAP = timedelta(minutes=5)
 
 
 def group_runs(records: Sequence[AcctJob]) -> list[AcctJob]:
@@ -419,10 +422,10 @@ def group_runs(records: Sequence[AcctJob]) -> list[AcctJob]:
 
     Accounting may hold one id several times: the runs of a requeued job (each run submitted anew), or an id
     reused after the cluster was rebuilt (another job). The latest submission is the job; going back from it, a
-    record of the same user is an earlier run while it ended in a requeue or carries the same name and comment;
-    the first one that does neither was another job, and so is everything before it. Name and comment alone do
-    not decide: a job's owner can change both (``scontrol update``) in a later run, and its earlier runs held
-    their allocation all the same.
+    record of the same user is an earlier run while it carries the same name and comment, or ended in a requeue
+    right when the record after it was submitted; the first one that does neither was another job, and so is
+    everything before it. Name and comment alone do not decide: a job's owner can change both (``scontrol
+    update``) in a later run, and its earlier runs held their allocation all the same.
     """
     by_id: dict[str, list[AcctJob]] = {}
     for record in records:
@@ -432,15 +435,25 @@ def group_runs(records: Sequence[AcctJob]) -> list[AcctJob]:
         ordered = sorted(same_id, key=lambda r: r.submit_time or datetime.min.replace(tzinfo=UTC))
         latest = ordered[-1]
         earlier: list[AcctJob] = []
+        following = latest
         for run in reversed(ordered[:-1]):
             same = (run.name, run.comment) == (latest.name, latest.comment)
-            requeued = (run.state.split() or [""])[0] in _REQUEUED_ENDS
-            if run.user != latest.user or not (same or requeued):
+            if run.user != latest.user or not (same or _requeued_into(run, following)):
                 break
             earlier.insert(0, run)
+            following = run
         latest.earlier_runs = earlier
         jobs.append(latest)
     return jobs
+
+
+def _requeued_into(run: AcctJob, following: AcctJob) -> bool:
+    """``run`` ended in a requeue that submitted ``following`` (its next run)."""
+    if (run.state.split() or [""])[0] not in _REQUEUED_ENDS:
+        return False
+    if run.end_time is None or following.submit_time is None:
+        return True
+    return abs(following.submit_time - run.end_time) <= _REQUEUE_GAP
 
 
 def parse_sstat(text: str, fields: Sequence[str] = SSTAT_FIELDS) -> list[LiveStep]:
