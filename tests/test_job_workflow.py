@@ -12,17 +12,21 @@ import uuid
 from collections.abc import AsyncIterator
 from decimal import Decimal
 from pathlib import Path
+from typing import Any
 
 import pytest
 from temporalio.client import Client
 
+from activities.schedulers.base import SubmitRequest, SubmitResult
 from tests.conftest import make_config
 from tests.memory_adapter import MemoryAdapter, Script
 from tests.pipeline_harness import TENANT, Pipeline, running_pipeline
+from virtengine_hpc.errors import SchedulerUnavailable
 from virtengine_hpc.messages import CancelRequest, JobStatusView, monitor_workflow_id
 from virtengine_hpc.models import PricedQueue, Pricing
 from virtengine_hpc.signing import Signer
 from virtengine_hpc.states import JobState
+from virtengine_hpc.tenancy import TenantAccountError
 from virtengine_hpc.usage import sum_metrics, verify_record
 from workers.poller import ChainPoller
 from workers.wiring import job_settings
@@ -171,6 +175,39 @@ async def test_rejected_submission_fails_once_with_the_schedulers_reason(pipe: P
     assert "Invalid account" in results[job_id].message
     assert adapter(pipe).submits == 1, "a permanent rejection is not retried"
     assert pipe.audit_events("job_submission_failed", job_id)
+
+
+class NoAccountAdapter(MemoryAdapter):
+    """A scheduler that cannot be reached for lookups, for a tenant whose account is refused before anything is
+    sent to it (``TenantAccountError``)."""
+
+    finds: int = 0
+
+    async def submit(self, request: SubmitRequest, **kwargs: Any) -> SubmitResult:
+        self.submits += 1
+        raise TenantAccountError(
+            f"tenant {request.job.tenant} has no cluster account: hpc.tenants.pool is empty"
+        )
+
+    async def find(self, workflow_id: str, tenant: str | None = None) -> str | None:
+        self.finds += 1
+        raise SchedulerUnavailable("slurm_load_jobs error: Unable to contact slurm controller")
+
+
+async def test_a_tenant_account_refusal_fails_the_job_at_once_and_looks_for_no_job(
+    client: Client, tmp_path: Path, key_path: Path, task_queue: str
+) -> None:
+    """A job refused for its tenant's account created nothing: it fails with the reason on chain, without the
+    lookup for a job an attempt might have made (which, with the scheduler unreachable, retried for ever)."""
+    no_account = NoAccountAdapter()
+    async with running_pipeline(client, make_config(tmp_path), key_path, no_account, task_queue) as p:
+        job_id = p.submit()
+        results = await p.run_until_done([job_id], timeout=60)
+        assert results[job_id].state == F
+        assert "has no cluster account" in results[job_id].message
+        assert no_account.submits == 1, "a tenant account refusal is not retried"
+        assert no_account.finds == 0
+        assert p.audit_events("job_submission_failed", job_id)
 
 
 async def test_crash_after_scheduler_accepted_adopts_the_job(pipe: Pipeline) -> None:

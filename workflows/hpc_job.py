@@ -86,6 +86,10 @@ PATCH_CLUSTER_MONITOR = "cluster-monitor"
 poll interval, whatever the number of workers) or for its own timer (report due, deadline, a safety-net check),
 instead of holding a heartbeating watch activity. Decided once per run: a run that began before watches the old way.
 """
+PATCH_TENANT_REFUSED = "tenant-account-refused"
+"""A submit refused for the tenant's account (``TenantAccountError``: none, or a privileged one) created nothing and
+cannot succeed until the operator changes ``hpc.tenants``: the job fails at once instead of first looking for a job
+that cannot exist, a lookup that retries for as long as the scheduler is unreachable."""
 PATCH_PARKED_MOVES = "continue-as-new-while-parked"
 """A parked job wakes every ``max_watch_seconds`` and continues as new when its history is long or another build
 became current (the new run waits parked the same way): a job waiting for an operator pinned its build for ever."""
@@ -103,7 +107,9 @@ _NON_RETRYABLE = [
     "SubmissionRejected",
     "SecurityError",
     "IllegalTransition",
+    "TenantAccountError",
 ]
+_REFUSED_BEFORE_TENANT_PATCH = frozenset(_NON_RETRYABLE) - {"TenantAccountError"}
 
 
 def initial_search_attributes(inp: JobWorkflowInput) -> TypedSearchAttributes:
@@ -532,6 +538,8 @@ class HPCJobWorkflow:
         what carries this workflow's id.
         """
         if _refused(err) or not workflow.patched(PATCH_RECOVER_SUBMISSION):
+            return None
+        if _refused(err, also_tenant=True) and workflow.patched(PATCH_TENANT_REFUSED):
             return None
         found = await self._find_submitted()
         if found is None:
@@ -1157,13 +1165,15 @@ class HPCJobWorkflow:
         )
 
 
-def _refused(err: ActivityError) -> bool:
+def _refused(err: ActivityError, *, also_tenant: bool = False) -> bool:
     """True when the activity failed with a non-retryable domain error (the scheduler refused the job, bad
-    input): then no attempt can have created a job."""
+    input; with ``also_tenant``, the tenant's account: ``PATCH_TENANT_REFUSED``): then no attempt can have created
+    a job."""
     cause = err.cause
     while isinstance(cause, ActivityError) and cause.cause is not None:
         cause = cause.cause
-    return isinstance(cause, ApplicationError) and cause.non_retryable and cause.type in _NON_RETRYABLE
+    types = _NON_RETRYABLE if also_tenant else _REFUSED_BEFORE_TENANT_PATCH
+    return isinstance(cause, ApplicationError) and cause.non_retryable and cause.type in types
 
 
 def _is_cancel(err: ActivityError) -> bool:
