@@ -127,3 +127,25 @@ def _no_ambient_secrets(monkeypatch: pytest.MonkeyPatch) -> None:
     for name in list(os.environ):
         if name.startswith("VIRTENGINE_HPC__"):
             monkeypatch.delenv(name, raising=False)
+
+
+@pytest.fixture(autouse=True)
+def _sweeps_judge_this_runs_slurm_jobs_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The local SLURM cluster's tenant accounts are shared by every test run on this machine (several checkouts
+    are tested at once), and a sweep judges every job of those accounts: it would cancel another run's jobs as
+    unmarked (their markers are made for other cluster ids). A sweep in these tests judges only its own run's
+    SLURM jobs (names carrying the run's prefix, ``tests/slurm_cluster.py``); what the adapter lists is tested
+    as it is (``tests/test_sweep.py``)."""
+    from activities.schedulers.slurm import SlurmAdapter
+    from tests.slurm_cluster import TEST_PREFIX
+    from workers.sweeper import JobSweep
+
+    listed = JobSweep._listed
+
+    async def own_run_only(self: JobSweep) -> list[Any]:
+        jobs = await listed(self)
+        if not isinstance(self.adapter, SlurmAdapter):
+            return jobs
+        return [job for job in jobs if TEST_PREFIX in job.name]
+
+    monkeypatch.setattr(JobSweep, "_listed", own_run_only)

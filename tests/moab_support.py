@@ -35,7 +35,7 @@ from virtengine_hpc.states import JobState
 MWS_USER = "mwsadmin"
 MWS_PASSWORD = f"pw-{uuid.uuid4().hex}"
 SIM_USER = "vehpcmoab"
-TENANT_USERS = ("vehpcmt1", "vehpcmt2")
+TENANT_USERS = ("vehpc-mt1", "vehpc-mt2")
 ALICE, BOB = "virtengine1tenant0alice", "virtengine1tenant0bob"
 
 
@@ -140,7 +140,7 @@ def moab_cluster(walltime_cap: float = 3.0, max_nodes: int = 4) -> Iterator[Moab
     moab.start()
     sshd = SshServer.create(home / "ssh")
     sshd.start()
-    tenants = TENANT_USERS if all(ensure_user(u) for u in TENANT_USERS) else ()
+    tenants = TENANT_USERS if all(ensure_user(u, system=False) for u in TENANT_USERS) else ()
     keys = home / "tenant-keys"
     keys.mkdir(mode=0o700)
     for account in tenants:

@@ -15,7 +15,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from temporalio.client import Client
 
+from activities.audit import AuditLog, read_events
+from activities.chain.local_ledger import LocalLedger
 from activities.schedulers.base import RefusedAdoption, SubmitRequest, SubmitResult
 from activities.schedulers.batch.transports import SSHRunner
 from activities.schedulers.moab import MoabAdapter
@@ -24,6 +27,7 @@ from virtengine_hpc.errors import JobNotFound, SchedulerUnavailable, SecurityErr
 from virtengine_hpc.markers import claimed_workflow
 from virtengine_hpc.metering import meter
 from virtengine_hpc.states import JobState
+from workers.sweeper import JobSweep
 
 TRANSPORTS = ("ssh", "rest")
 
@@ -467,3 +471,37 @@ async def test_each_tenant_submits_and_runs_as_its_own_account(
         msubs = {r["uid"] for r in cluster.moab.argv_log() if r["command"] == "msub"}
         assert {pwd.getpwnam(a).pw_uid for a in jobs.values()} <= msubs
         assert pwd.getpwnam(cluster.user).pw_uid not in msubs, "the provider's account submits no tenant job"
+
+
+async def test_the_sweep_cancels_a_job_a_tenant_submitted_itself_and_leaves_the_workflows_own(
+    moab: MoabAdapter, cluster: ms.MoabCluster, client: Client, tmp_path: Path
+) -> None:
+    """Bob's job runs ``msub`` as Bob's account with no marker: one sweep lists it with the provider's own jobs
+    (one ``showq --xml``, or one MWS query), cancels it and audits it under Bob's account and tenant. Alice's
+    marked job (its workflow unknown to this chain) is left alone."""
+    wf = ms.workflow_id("sweep")
+    bob = cluster.tenant_users[1]
+    own = await moab.submit(
+        SubmitRequest(workflow_id=wf, job=ms.spec(wf, "sleep 30\n", tenant=ms.ALICE), body="sleep 30\n")
+    )
+    bob_user = pwd.getpwnam(bob)
+    answer = cluster.moab.handle(bob_user.pw_uid, bob_user.pw_gid, "msub", ["-N", "free", "-h"], "sleep 30\n")
+    free = answer["stdout"].strip()
+    assert free.startswith("Moab."), answer
+    listed = {job.scheduler_job_id: job for job in await moab.swept_jobs()}
+    assert listed[free].workflow_id is None and listed[free].user == bob
+    assert listed[own.scheduler_job_id].workflow_id == wf
+
+    config = cluster.config(tmp_path, "ssh")
+    audit = AuditLog(config.hpc.audit)
+    stats = await JobSweep(client, LocalLedger.from_config(config), moab, config, audit).sweep_once()
+
+    assert stats.unmarked == [free] and stats.left == 1
+    [audited] = [
+        e for e in read_events(config.hpc.audit.log_path) if e["event_type"] == "unowned_job_cancelled"
+    ]
+    assert audited["job_id"] is None
+    assert audited["details"]["account"] == bob and audited["details"]["tenant"] == ms.BOB
+    status = await moab.status_batch([free, own.scheduler_job_id])
+    assert status[free].state == JobState.CANCELLED and not status[own.scheduler_job_id].state.final
+    await moab.cancel(own.scheduler_job_id)

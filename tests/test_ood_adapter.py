@@ -32,7 +32,7 @@ from virtengine_hpc.models import JobSpec
 from virtengine_hpc.states import JobState
 from virtengine_hpc.tenancy import TenantAccountError
 
-USERS = ("vehpcood1", "vehpcood2")
+USERS = ("vehpc-ood1", "vehpc-ood2")
 ALICE, BOB, CAROL = "virtengine1tenant0alice", "virtengine1tenant0bob", "virtengine1tenant0carol"
 CLIENT_ID = "virtengine-provider"
 SECRET = f"s-{uuid.uuid4().hex}"
@@ -41,7 +41,7 @@ DASHBOARD = "https://ondemand.example.org"
 
 @pytest.fixture(scope="module")
 def users() -> tuple[str, str]:
-    if not all(ensure_user(u) for u in USERS):
+    if not all(ensure_user(u, system=False) for u in USERS):
         # Root could create them: that it did not is a failure, not a missing precondition.
         if os.geteuid() == 0:
             pytest.fail(f"could not create the cluster users {', '.join(USERS)} as root (useradd failed)")

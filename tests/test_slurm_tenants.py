@@ -1,9 +1,10 @@
 """One account per tenant, on the real SLURM cluster, for each transport (local CLI, CLI over SSH, slurmrestd).
 
 Two tenants' jobs run as two accounts (Slurm's own accounting says so); from inside a real job, tenant A cannot read
-B's output, cannot cancel B's job, and a job A's script submits with ``sbatch`` belongs to A's account, not to the
-provider's submit account. Jobs for a tenant without an account, or for root, are refused with the documented
-error and nothing reaches Slurm; through the whole pipeline the refusal is on chain and in the audit log while the
+B's output, cannot cancel B's job, and a job A's script submits with ``sbatch`` runs as A's account, not the
+provider's submit account (the sweep cancels it: tests/test_sweep.py). Jobs for a tenant without an account, or
+for root or a Slurm operator, are refused with the documented error and nothing reaches Slurm; a pool account
+some tenant's jobs run as is never handed to a new tenant by a worker whose assignments file does not know it; through the whole pipeline the refusal is on chain and in the audit log while the
 other tenant's job runs.
 """
 
@@ -22,13 +23,14 @@ from temporalio.client import Client
 
 from activities.schedulers.base import SubmitRequest
 from activities.schedulers.slurm import SlurmAdapter
+from activities.tenant_accounts import AssignmentStore
 from tests import slurm_cluster as sc
 from tests.conftest import make_config
 from tests.pipeline_harness import Pipeline, running_pipeline
 from virtengine_hpc.config import load_config
 from virtengine_hpc.errors import ConfigError, SecurityError
 from virtengine_hpc.states import JobState
-from virtengine_hpc.tenancy import TenantAccountError
+from virtengine_hpc.tenancy import TenantAccountError, TenantRules
 
 pytestmark = pytest.mark.slurm
 SCOPE = "tenants-"
@@ -246,3 +248,66 @@ async def test_over_ssh_a_tenant_shell_that_alters_sbatchs_answer_is_caught(env:
         shutil.rmtree(wrapper_dir, ignore_errors=True)
         await adapter.close()
         sc.slurm_command(env, ["scancel", root_job])
+
+
+@pytest.mark.parametrize("transport", sc.TRANSPORTS)
+async def test_a_tenant_mapped_to_a_slurm_operator_is_refused_and_nothing_is_submitted(
+    env: dict[str, Any], transport: str
+) -> None:
+    """hpcuser is a Slurm operator here (it may cancel every user's jobs). On the cli transport the provider's
+    own account is root, so the configuration cannot tell; the adapter reads the operators from the cluster at
+    its first use and refuses the job. Over ssh and slurmrestd hpcuser is the provider's own account, refused
+    when the configuration is loaded."""
+    operator = env["job_user"]
+    tenants = {"accounts": {sc.ALICE: sc.account_of(env, sc.ALICE), MALLORY: operator}}
+    if transport != "cli":
+        with pytest.raises(ConfigError, match="is also a tenant account"):
+            sc.adapter(env, transport, tenants=tenants)
+        return
+    adapter = sc.adapter(env, transport, tenants=tenants)
+    wf = wid(f"operator-{transport}")
+    try:
+        job = sc.spec(wf, "true\n", tenant=MALLORY)
+        with pytest.raises(
+            TenantAccountError, match=f"refusing to run a tenant's job as {operator}: a Slurm Operator"
+        ) as caught:
+            await adapter.submit(SubmitRequest(workflow_id=wf, job=job, body="true\n", first_attempt=True))
+        assert caught.value.code == "tenant_account_refused" and not caught.value.transient
+        assert sc.controller_jobs_of(env, wf) == []
+    finally:
+        await adapter.close()
+
+
+async def test_a_lost_assignments_file_does_not_hand_a_taken_pool_account_to_a_new_tenant(
+    env: dict[str, Any], tmp_path: Path
+) -> None:
+    """Worker A's file gave tenant X the pool's account; X's job runs as it. Worker B has a file of its own (the
+    default per-host path, or A's deleted and recreated): its pool shows that account free. Before handing it to
+    a new tenant, B asks the cluster, sees X's job under it, and refuses the new tenant rather than share it."""
+    account = sc.tenant_accounts(env)[-1]
+    x, z = "virtengine1tenant0x", "virtengine1tenant0z"
+    pool_a = {"pool": [account], "assignments_path": str(tmp_path / "a.db")}
+    pool_b = {"pool": [account], "assignments_path": str(tmp_path / "b.db")}
+    AssignmentStore(tmp_path / "a.db").assign(x, TenantRules(pool=(account,)))  # A's earlier assignment
+    worker_a = sc.adapter(env, "cli", tenants=pool_a, hold=True)
+    worker_b = sc.adapter(env, "cli", tenants=pool_b, hold=True)
+    x_wf, z_wf = wid("pool-x"), wid("pool-z")
+    try:
+        x_job = await worker_a.submit(
+            SubmitRequest(
+                workflow_id=x_wf, job=sc.spec(x_wf, "true\n", tenant=x), body="true\n", first_attempt=True
+            )
+        )
+        assert owner(env, x_job.scheduler_job_id) == account
+        with pytest.raises(TenantAccountError, match=r"accounts of hpc\.tenants\.pool are taken") as caught:
+            await worker_b.submit(
+                SubmitRequest(
+                    workflow_id=z_wf, job=sc.spec(z_wf, "true\n", tenant=z), body="true\n", first_attempt=True
+                )
+            )
+        assert caught.value.code == "tenant_account_missing"
+        assert sc.controller_jobs_of(env, z_wf) == []
+        assert AssignmentStore(tmp_path / "b.db").all() == {}, "nothing recorded for the new tenant"
+    finally:
+        await worker_a.close()
+        await worker_b.close()

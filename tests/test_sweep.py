@@ -6,17 +6,25 @@ has finished: one sweep, one scheduler listing, cancels it and audits it, and th
 alone (the workflow then closes it as usual). The same late job after the workflow has closed and settled is cancelled as unowned; one whose workflow
 the chain does not know (another provider's, another test run's) is left alone; with ``unowned_jobs: report``
 nothing is cancelled.
+
+A job a tenant submits itself (its job's ``sbatch`` runs as the tenant's account) carries no valid marker: no
+workflow will ever watch or bill it. The sweep lists every job of the tenants' accounts and cancels such a job in
+one round, audited under the account and its tenant (never under a workflow its name claims), while the marked
+job of a live workflow runs on.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
+import subprocess
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from pydantic import SecretStr
 from temporalio.client import Client
 
 from activities.audit import read_events
@@ -24,11 +32,11 @@ from activities.schedulers.base import SubmitRequest
 from activities.schedulers.slurm import SlurmAdapter
 from tests import slurm_cluster as sc
 from tests.conftest import make_config
-from tests.pipeline_harness import Pipeline, running_pipeline
-from virtengine_hpc.config import Config
+from tests.pipeline_harness import TENANT, Pipeline, running_pipeline
+from virtengine_hpc.config import Config, Secrets
 from virtengine_hpc.messages import CancelRequest, JobStatusView
 from virtengine_hpc.states import JobState
-from workers.metrics import WorkerMetrics
+from workers.metrics import MeteredAuditLog, WorkerMetrics
 from workers.sweeper import JobSweep
 from workers.wiring import task_queue as queue_of
 from workers.worker import WorkerProcess
@@ -45,8 +53,19 @@ def env() -> dict[str, Any]:
 @pytest.fixture(scope="module", autouse=True)
 def _cleanup(env: dict[str, Any]) -> Any:
     yield
-    sc.cancel_test_jobs(env, SCOPE)
     sc.remove_outputs(env, SCOPE)
+
+
+@pytest.fixture(autouse=True)
+def _no_leftovers(env: dict[str, Any]) -> Any:
+    """Each test's pipeline has a cluster id of its own, so a job an earlier test left would carry a marker made
+    for another cluster: to this test's sweep, a job without a valid marker. Each test cleans up after itself."""
+    yield
+    sc.cancel_test_jobs(env, SCOPE)
+    for name in sc.slurm_command(env, ["squeue", "-h", "-o", "%A|%j"]).splitlines():
+        job_id, _, job_name = name.partition("|")
+        if job_name.startswith(sc.TEST_PREFIX + SCOPE):
+            sc.slurm_command(env, ["scancel", job_id])
 
 
 def slurm_config(tmp_path: Path, env: dict[str, Any], **job_service: Any) -> Config:
@@ -78,11 +97,53 @@ def slurm(p: Pipeline) -> SlurmAdapter:
     return p.adapter
 
 
-def sweep(p: Pipeline, env: dict[str, Any], config: Config | None = None) -> JobSweep:
+def sweep(
+    p: Pipeline, env: dict[str, Any], config: Config | None = None, secrets: Secrets | None = None
+) -> JobSweep:
     """A sweep as the poller process runs it: with an adapter of its own (its calls are the sweep's alone)."""
     config = config or p.config
-    own = SlurmAdapter.from_config(config, sc.secrets(env), config.hpc.cluster_id)
-    return JobSweep(p.client, p.ledger, own, config, p.deps.audit, metrics=WorkerMetrics())
+    own = SlurmAdapter.from_config(config, secrets or sc.secrets(env), config.hpc.cluster_id)
+    metrics = WorkerMetrics()
+    audit = MeteredAuditLog(config.hpc.audit, metrics)  # the poller's: every record counted
+    return JobSweep(p.client, p.ledger, own, config, audit, metrics=metrics)
+
+
+def reporting(config: Config) -> Config:
+    job_service = config.hpc.job_service.model_copy(update={"unowned_jobs": "report"})
+    return config.model_copy(update={"hpc": config.hpc.model_copy(update={"job_service": job_service})})
+
+
+def tenant_sbatch(env: dict[str, Any], account: str, name: str) -> str:
+    """What a tenant's job script can run: ``sbatch`` as the tenant's own account (tests/test_slurm_tenants.py
+    shows a real job's ``sbatch`` does exactly this), any name, no limit. Run here directly as the account, held,
+    so it waits in the queue whatever else runs on the shared cluster."""
+    argv = [
+        "sbatch",
+        "--parsable",
+        "--hold",
+        "-t",
+        "60",
+        "-J",
+        name,
+        "-o",
+        "/dev/null",
+        "--wrap",
+        "sleep 3600",
+    ]
+    out = subprocess.run(
+        ["runuser", "-u", account, "--", *argv],
+        env={**os.environ, "SLURM_CONF": env["slurm_conf"]},
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    job_id = out.stdout.strip().split(";")[0]
+    assert job_id.isdigit(), out
+    return job_id
+
+
+def native_state(env: dict[str, Any], job_id: str) -> str:
+    return sc.slurm_command(env, ["squeue", "-h", "-t", "all", "-j", job_id, "-o", "%T"]).strip()
 
 
 def calls_of(s: JobSweep) -> dict[str, int]:
@@ -176,17 +237,7 @@ async def test_report_only_leaves_the_job_running_and_audits_it(
     job_id = pipe.submit(job_id=sc.workflow_id(SCOPE + "report"), script="#!/bin/bash\nsleep 60\n")
     own = await named_job(pipe, job_id)
     zombie = await late_sbatch(pipe, job_id)
-    reporting = pipe.config.model_copy(
-        update={
-            "hpc": pipe.config.hpc.model_copy(
-                update={
-                    "job_service": pipe.config.hpc.job_service.model_copy(update={"unowned_jobs": "report"})
-                }
-            )
-        }
-    )
-
-    stats = await sweep(pipe, env, reporting).sweep_once()
+    stats = await sweep(pipe, env, reporting(pipe.config)).sweep_once()
 
     assert stats.duplicates == [zombie]
     [audited] = swept(pipe, "unowned_job_found")
@@ -194,6 +245,92 @@ async def test_report_only_leaves_the_job_running_and_audits_it(
     status = (await slurm(pipe).status_batch([zombie]))[zombie]
     assert status.found and not status.state.final, "reported, not cancelled"
     await slurm(pipe).cancel(zombie)
+
+
+async def test_a_job_a_tenant_submits_itself_is_cancelled_and_audited_in_one_sweep(
+    pipe: Pipeline, env: dict[str, Any]
+) -> None:
+    job_id = pipe.submit(job_id=sc.workflow_id(SCOPE + "live"), script="#!/bin/bash\nsleep 60\n")
+    own = await named_job(pipe, job_id)
+    alice = sc.account_of(env, TENANT)
+    free = tenant_sbatch(env, alice, sc.workflow_id(SCOPE + "free"))
+
+    sweeper = sweep(pipe, env)
+    listed = {job.scheduler_job_id: job for job in await sweeper.adapter.swept_jobs()}
+    assert free in listed and listed[free].workflow_id is None and listed[free].user == alice
+    assert listed[own].workflow_id == job_id, "the workflow's own job carries its valid marker"
+    stats = await sweeper.sweep_once()
+
+    assert stats.unmarked == [free] and stats.duplicates == [] and stats.unowned == []
+    assert (await sc.wait_final(slurm(pipe), free)).state == JobState.CANCELLED
+    [audited] = [
+        e for e in read_events(pipe.config.hpc.audit.log_path) if e["event_type"] == "unowned_job_cancelled"
+    ]
+    assert audited["job_id"] is None, "no chain job is this job's: it is audited under its account and tenant"
+    details = audited["details"]
+    assert details["scheduler_job_id"] == free and details["kind"] == "unmarked"
+    assert details["account"] == alice and details["tenant"] == TENANT and details["found_by"] == "sweep"
+    assert sweeper.metrics is not None
+    assert sweeper.metrics.swept.labels(sweeper.cluster_id, "unmarked", "cancelled")._value.get() == 1
+    await still_its_own(pipe, job_id, own)
+
+
+async def test_a_job_named_after_another_tenants_workflow_is_cancelled_and_not_audited_as_hers(
+    pipe: Pipeline, env: dict[str, Any]
+) -> None:
+    """Bob's script names its own job after Alice's live workflow (its id is readable in squeue): no valid
+    marker, so it is cancelled; the audit record names Bob's account and tenant, never Alice's workflow."""
+    job_id = pipe.submit(job_id=sc.workflow_id(SCOPE + "victim"), script="#!/bin/bash\nsleep 60\n")
+    own = await named_job(pipe, job_id)
+    bob = sc.account_of(env, sc.BOB)
+    forged = tenant_sbatch(env, bob, f"vehpc-{job_id}.{'0' * 32}")
+
+    stats = await sweep(pipe, env).sweep_once()
+
+    assert stats.unmarked == [forged] and stats.duplicates == []
+    assert (await sc.wait_final(slurm(pipe), forged)).state == JobState.CANCELLED
+    audits = [
+        e for e in read_events(pipe.config.hpc.audit.log_path) if e["event_type"].endswith("_cancelled")
+    ]
+    assert [e["job_id"] for e in audits] == [None], audits
+    details = audits[0]["details"]
+    assert details["account"] == bob and details["tenant"] == sc.BOB and details["claims"] == job_id
+    await still_its_own(pipe, job_id, own)
+
+
+async def test_report_only_reports_a_tenants_own_job_once_and_leaves_it(
+    pipe: Pipeline, env: dict[str, Any]
+) -> None:
+    free = tenant_sbatch(env, sc.account_of(env, TENANT), sc.workflow_id(SCOPE + "reported"))
+    sweeper = sweep(pipe, env, reporting(pipe.config))
+    try:
+        first, second = await sweeper.sweep_once(), await sweeper.sweep_once()
+        assert first.unmarked == [free] and second.unmarked == []
+        [audited] = swept(pipe, "unowned_job_found")
+        assert audited["scheduler_job_id"] == free and audited["kind"] == "unmarked"
+        assert native_state(env, free) == "PENDING", "reported, not cancelled"
+    finally:
+        sc.slurm_command(env, ["scancel", free])
+
+
+async def test_a_job_its_open_workflow_names_is_left_alone_even_under_another_marker_key(
+    pipe: Pipeline, env: dict[str, Any]
+) -> None:
+    """After the marker key changed (or on a poller that holds another key than the workers), a running job's
+    marker no longer verifies: as long as its open workflow names it, the sweep leaves it (and says so)."""
+    job_id = pipe.submit(job_id=sc.workflow_id(SCOPE + "rotated"), script="#!/bin/bash\nsleep 60\n")
+    own = await named_job(pipe, job_id)
+    other_key = sc.secrets(env).model_copy(
+        update={"marker_secret": SecretStr("another-marker-secret-" + "9" * 32)}
+    )
+
+    stats = await sweep(pipe, env, secrets=other_key).sweep_once()
+
+    assert stats.unmarked == [] and stats.left >= 1
+    assert not [
+        e for e in read_events(pipe.config.hpc.audit.log_path) if e["event_type"].startswith("unowned")
+    ]
+    await still_its_own(pipe, job_id, own)
 
 
 async def test_the_poller_process_sweeps_its_cluster(

@@ -2,7 +2,7 @@
 scheduler and cancels what no workflow names (``workers/sweeper.py``), so the scheduler's load does not grow with
 the number of pollers and a duplicate is cancelled and audited once.
 
-The scheduler is the in-memory one, which lists its jobs like ``squeue`` does for the sweep (``marked_jobs``) and
+The scheduler is the in-memory one, which lists its jobs like ``squeue`` does for the sweep (``swept_jobs``) and
 counts the listings; the SLURM listing itself is tested on the real cluster in ``tests/test_sweep.py``.
 """
 
@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from temporalio.client import Client
 
-from activities.schedulers.base import MarkedJob
+from activities.schedulers.base import ListedJob
 from tests.conftest import make_config
 from tests.memory_adapter import MemoryAdapter, Script, _Job
 from tests.pipeline_harness import Pipeline, running_pipeline
@@ -37,12 +37,12 @@ class ListingScheduler(MemoryAdapter):
 
     listings: int = 0
 
-    async def marked_jobs(self) -> list[MarkedJob]:
+    async def swept_jobs(self) -> list[ListedJob]:
         self.listings += 1
         out = []
         for jid, job in self.jobs.items():
             state, _ = self._state(job)
-            out.append(MarkedJob(scheduler_job_id=jid, workflow_id=job.workflow_id, final=state.final))
+            out.append(ListedJob(scheduler_job_id=jid, workflow_id=job.workflow_id, final=state.final))
         return out
 
 

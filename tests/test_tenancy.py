@@ -7,6 +7,7 @@ tests/test_moab_adapter.py; this module covers what every scheduler relies on.
 from __future__ import annotations
 
 import multiprocessing
+import pwd
 import re
 from pathlib import Path
 from typing import Any
@@ -14,9 +15,10 @@ from typing import Any
 import pytest
 
 from activities.tenant_accounts import AssignmentStore, TenantAccounts
+from tests.local_support import running_as_root
 from virtengine_hpc.config import Config, load_config
 from virtengine_hpc.errors import ConfigError
-from virtengine_hpc.tenancy import TenantAccountError, TenantRules
+from virtengine_hpc.tenancy import TenantAccountError, TenantRules, check_account, uid_min
 
 ALICE, BOB, CAROL = "virtengine1tenant0alice", "virtengine1tenant0bob", "virtengine1tenant0carol"
 
@@ -162,3 +164,149 @@ def test_a_worker_says_at_start_that_every_job_would_be_refused(
     data["hpc"]["tenants"] = {"pool": ["t1"]}
     SlurmAdapter.from_config(load_config(data=data, env={}), Secrets(), "c1")
     assert "will be refused" not in caplog.text
+
+
+# ---- system and service accounts are never a tenant's -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("account", ["munge", "slurm"])
+def test_munge_and_slurm_are_refused_by_name_at_load(account: str) -> None:
+    with pytest.raises(ConfigError, match=f"{account} can never be a tenant's account"):
+        load_config(data={"hpc": {"tenants": {"accounts": {ALICE: account}}}}, env={})
+    with pytest.raises(ConfigError, match=f"{account} can never be a tenant's account"):
+        load_config(data={"hpc": {"tenants": {"pool": ["t1", account]}}}, env={})
+
+
+def _system_accounts() -> list[str]:
+    """Accounts of this host below UID_MIN (Debian has these; each one can do more than a tenant may)."""
+    found = []
+    for name in ("daemon", "bin", "mysql", "www-data"):
+        try:
+            if pwd.getpwnam(name).pw_uid < uid_min():
+                found.append(name)
+        except KeyError:
+            continue
+    return found
+
+
+@pytest.mark.parametrize("account", _system_accounts())
+def test_a_system_account_of_this_host_is_refused_when_the_worker_starts(
+    tmp_path: Path, account: str
+) -> None:
+    for tenants in ({"accounts": {ALICE: account}}, {"pool": ["t1", account]}):
+        with pytest.raises(
+            ConfigError, match=rf"refusing to run a tenant's job as {account}: uid \d+ is a system"
+        ):
+            TenantAccounts.from_config(config(tmp_path, **tenants))
+
+
+@pytest.mark.parametrize(
+    ("uid", "privileged", "message"),
+    [
+        (0, {}, "uid 0"),
+        (999, {}, "uid 999 is a system account's (below UID_MIN 1000"),
+        (1, {}, "uid 1 is a system account's"),
+        (5000, {"alice": "the cluster's SlurmUser"}, "the cluster's SlurmUser"),
+        (5000, {"alice": "a Slurm Operator (sacctmgr AdminLevel)"}, "a Slurm Operator"),
+    ],
+)
+def test_a_privileged_account_is_refused_at_every_submission(
+    uid: int, privileged: dict[str, str], message: str
+) -> None:
+    """The uid as the worker's host knows it, and what the scheduler says is privileged (the SLURM adapter reads
+    SlurmUser, operators and administrators from the cluster): a job of that tenant is refused, typed and
+    non-retryable; other tenants go on."""
+    accounts = TenantAccounts(
+        TenantRules(fixed={ALICE: "alice", BOB: "bob"}), None, uid_of=lambda a: uid if a == "alice" else 5000
+    )
+    accounts.refuse(privileged, cluster_id="c1")
+    with pytest.raises(TenantAccountError, match=re.escape(message)) as caught:
+        accounts.account_for(ALICE, submit_account="vehpc")
+    assert caught.value.code == "tenant_account_refused" and caught.value.transient is False
+    assert accounts.account_for(BOB, submit_account="vehpc") == "bob"
+
+
+def test_uid_min_comes_from_login_defs(tmp_path: Path) -> None:
+    defs = tmp_path / "login.defs"
+    defs.write_text("# comment\nUID_MIN\t\t\t 2000\nUID_MAX 60000\n")
+    assert uid_min(defs) == 2000
+    assert uid_min(tmp_path / "missing") == 1000
+    with pytest.raises(TenantAccountError, match="below UID_MIN 2000"):
+        check_account("t1", submit_account=None, uid=1500, lowest_uid=uid_min(defs))
+
+
+@pytest.mark.skipif(not running_as_root(), reason="the local executor switches accounts only as root")
+@pytest.mark.parametrize("account", ["munge", "slurm", *_system_accounts()])
+def test_the_local_executor_refuses_a_system_or_service_account(account: str) -> None:
+    """munge reads munge.key (a Slurm credential for any uid); slurm is SlurmUser; the others are system accounts:
+    the local executor never runs a tenant's script as one."""
+    from activities.schedulers.local import LocalAdapter
+    from tests.local_support import reachable_dir
+    from virtengine_hpc.config import LocalSchedulerConfig
+
+    adapter = LocalAdapter(
+        LocalSchedulerConfig(allow_unisolated=True),
+        reachable_dir("tenancy") / "state",
+        "c",
+        TenantAccounts(TenantRules(fixed={"tenant1": account}), None),
+    )
+    with pytest.raises(TenantAccountError, match=f"refusing to run a tenant's job as {account}"):
+        adapter._run_as("tenant1")
+
+
+# ---- two tenants never share one account ----------------------------------------------------------------------------
+
+X, Z = "virtengine1tenantx", "virtengine1tenantz"
+
+
+def test_an_account_moved_from_the_pool_to_a_fixed_tenant_is_refused_while_its_pool_tenant_holds_it(
+    tmp_path: Path,
+) -> None:
+    """X got vehpc-t1 from the pool; the operator then fixes vehpc-t1 for Z. The worker refuses to start, naming
+    both tenants and the remedy; a worker that started before the edit refuses both tenants' jobs."""
+    before = TenantAccounts.from_config(config(tmp_path, pool=["vehpc-t1", "vehpc-t2"]))
+    assert before.account_for(X, submit_account="hpcuser") == "vehpc-t1"
+    moved = {"accounts": {Z: "vehpc-t1"}, "pool": ["vehpc-t2"]}
+    with pytest.raises(
+        ConfigError, match=rf"account vehpc-t1 is fixed for tenant {Z} .* gave it to tenant {X}"
+    ):
+        TenantAccounts.from_config(config(tmp_path, **moved))
+    running = TenantAccounts(TenantRules.from_config(config(tmp_path, **moved).hpc.tenants), before.store)
+    for tenant in (X, Z):
+        with pytest.raises(TenantAccountError, match="two tenants would share one account") as caught:
+            running.account_for(tenant, submit_account="hpcuser")
+        assert caught.value.code == "tenant_account_refused"
+
+
+def test_an_assigned_account_that_left_the_pool_stays_its_tenants_and_is_still_looked_up(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    TenantAccounts.from_config(config(tmp_path, pool=["vehpc-t1", "vehpc-t2"])).account_for(
+        X, submit_account=None
+    )
+    after = TenantAccounts.from_config(config(tmp_path, pool=["vehpc-t2"]))
+    assert "pool account vehpc-t1 is no longer in hpc.tenants.pool but tenant" in caplog.text
+    assert "vehpc-t1" in after.accounts(), "its jobs are still looked up and swept"
+    assert after.account_for(X, submit_account=None) == "vehpc-t1"
+    assert after.account_for(Z, submit_account=None) == "vehpc-t2"
+    assert after.tenant_of("vehpc-t1") == X
+    emptied = TenantAccounts.from_config(config(tmp_path, accounts={Z: "zed"}))
+    assert "vehpc-t1" in emptied.accounts() and emptied.account_for(X, submit_account=None) == "vehpc-t1"
+
+
+def test_a_pool_account_in_use_on_the_cluster_is_never_handed_to_a_new_tenant(tmp_path: Path) -> None:
+    """The assignments file was deleted (or another host keeps its own): X's vehpc-t1 looks free in the new file.
+    The SLURM adapter asks the cluster before the pool hands out an account (tests/test_slurm_tenants.py on the
+    real cluster); what it finds in use is held back."""
+    path = tmp_path / "tenant-accounts.db"
+    rules = TenantRules(pool=("vehpc-t1", "vehpc-t2"))
+    worker_a = TenantAccounts(rules, AssignmentStore(path), uid_of=lambda a: 5000)
+    assert worker_a.account_for(X, submit_account="hpcuser") == "vehpc-t1"
+    path.unlink()
+    worker_b = TenantAccounts(rules, AssignmentStore(path), uid_of=lambda a: 5000)
+    assert worker_b.needs_assignment(Z) and worker_b.unassigned_pool() == ["vehpc-t1", "vehpc-t2"]
+    worker_b.hold_back({"vehpc-t1": "2 live job(s)"}, cluster_id="c1")
+    assert worker_b.unassigned_pool() == ["vehpc-t2"]
+    assert worker_b.account_for(Z, submit_account="hpcuser") == "vehpc-t2"
+    with pytest.raises(TenantAccountError, match=re.escape("all 2 accounts of hpc.tenants.pool are taken")):
+        worker_b.account_for("virtengine1tenanty", submit_account="hpcuser")

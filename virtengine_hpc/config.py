@@ -61,6 +61,11 @@ _SECRET_KEY = re.compile(r"(password|passwd|secret|token|api_key|apikey|private_
 _ALLOWED_SECRETISH = {"token_file_env", "signing_key_path_env", "api_key_env", "oidc_token_url"}
 _ACCOUNT = r"^[a-z_][a-z0-9_-]{0,31}$"
 """A Unix account name as Slurm, MOAB and sshd accept it (what useradd allows by default)."""
+SERVICE_ACCOUNTS = {
+    "munge": "MUNGE's own account: it reads munge.key, which forges a Slurm credential for any uid",
+    "slurm": "Slurm's own daemon account (SlurmUser): it rules the cluster",
+}
+"""Accounts that are never a tenant's, by name (others are refused by uid, or as the scheduler says)."""
 
 
 def parse_duration(value: Any) -> timedelta:
@@ -202,15 +207,16 @@ class JobServiceConfig(Section):
         timedelta(seconds=60),
         gt=timedelta(0),
         description="How often the poller lists, in one scheduler query per cluster, the live jobs that carry "
-        "this provider's marker of a workflow, and looks for those no workflow names: the duplicate of a "
-        "submit whose request the scheduler completed after the retry had checked, or a job whose workflow has "
-        "closed while its chain job is settled (docs/reliability.md). Null: no sweep. SLURM only (other "
-        "schedulers cannot list their jobs yet).",
+        "this provider's marker of a workflow and every live job of a tenant's account, and looks for those no "
+        "workflow names: the duplicate of a submit whose request the scheduler completed after the retry had "
+        "checked, a job whose workflow has closed while its chain job is settled (docs/reliability.md), or a job a "
+        "tenant submitted itself, which carries no valid marker (docs/operations.md). Null: no sweep. SLURM and "
+        "MOAB (the others cannot list their jobs).",
     )
     unowned_jobs: Literal["cancel", "report"] = Field(
         "cancel",
         description="What the sweep does with a job no workflow names: cancel it (audit duplicate_job_cancelled "
-        "or unowned_job_cancelled), or only report it (audit unowned_job_found) and leave it running.",
+        "or unowned_job_cancelled), or only report it (audit unowned_job_found, once) and leave it running.",
     )
     enable_state_recovery: bool = Field(
         True, description="Kept for compatibility: recovery always comes from Temporal's workflow history."
@@ -606,6 +612,8 @@ def _check_tenant_account(account: str) -> None:
         raise ValueError(f"{account[:40]!r} is not a valid account name ({_ACCOUNT})")
     if account == "root":
         raise ValueError("root can never be a tenant's account: tenant jobs run unprivileged")
+    if account in SERVICE_ACCOUNTS:
+        raise ValueError(f"{account} can never be a tenant's account: {SERVICE_ACCOUNTS[account]}")
 
 
 SchedulerType = Literal["slurm", "moab", "ood", "local"]

@@ -213,7 +213,8 @@ class WorkerMetrics:
         self.swept = Counter(
             f"{PREFIX}_swept_jobs",
             "Scheduler jobs the sweep found that no workflow names, by kind (duplicate: the workflow names another "
-            "job; unowned: no open workflow, chain job settled) and action (cancelled, reported).",
+            "job; unowned: no open workflow, chain job settled; unmarked: a tenant account's job without a valid "
+            "marker, such as one the tenant submitted itself) and action (cancelled, reported).",
             ["cluster", "kind", "action"],
             registry=r,
         )
@@ -308,7 +309,9 @@ _AUDIT_HANDLERS: dict[str, Callable[[WorkerMetrics, str, bool, Mapping[str, Any]
     "job_submission_failed": lambda m, c, s, d: m.submissions.labels(c, "rejected").inc(),
     "job_max_retries_exceeded": lambda m, c, s, d: m.submissions.labels(c, "retries_exhausted").inc(),
     "duplicate_job_cancelled": _duplicate_cancelled,
-    "unowned_job_cancelled": lambda m, c, s, d: m.swept.labels(c, "unowned", "cancelled").inc(),
+    "unowned_job_cancelled": lambda m, c, s, d: m.swept.labels(
+        c, str(d.get("kind", "unowned")), "cancelled"
+    ).inc(),
     "unowned_job_found": lambda m, c, s, d: m.swept.labels(
         c, str(d.get("kind", "unowned")), "reported"
     ).inc(),

@@ -1,26 +1,36 @@
-"""The sweep: scheduler jobs that carry a workflow's marker but that no workflow names are found and stopped.
+"""The sweep: scheduler jobs that no workflow names are found and stopped.
 
 Exactly-once submission reconciles duplicates after every submit (``activities/schedulers/batch/base.py``): the
 attempt that checks last sees every older job. One window stays open: a worker killed while its ``sbatch`` waited
 on a stalled controller, whose request the controller completes only after the retry's check. That job carries
 the workflow's marker, but the workflow names another one, and nothing would ever look at it again: it would run
-to its end, unwatched and unbilled. The same holds for any marked job whose workflow has closed.
+to its end, unwatched and unbilled. The same holds for any marked job whose workflow has closed, and for every job
+a tenant submits itself from inside its job (``sbatch`` runs as the tenant's own account): it carries no valid
+marker, so no workflow will ever adopt, watch or bill it.
 
-So every ``hpc.job_service.sweep_interval`` the sweep of a cluster lists the scheduler's live jobs that carry this
-provider's marker, **in one scheduler query** (``SchedulerAdapter.marked_jobs``), groups them by workflow id and
-asks Temporal's visibility store which job each workflow names (``VeSchedulerJobId`` on ``VeClusterId``; one
-query per page of workflows). A job the workflow does not name is a finding, confirmed before anything is done:
+So every ``hpc.job_service.sweep_interval`` the sweep of a cluster lists, **in one scheduler query**
+(``SchedulerAdapter.swept_jobs``), the live jobs that carry this provider's marker and every live job of a
+tenant's account. Marked jobs are grouped by workflow id, and Temporal's visibility store says which job each
+workflow names (``VeSchedulerJobId`` on ``VeClusterId``; one query per page of workflows). A job the workflow does
+not name is a finding, confirmed before anything is done:
 
 * **duplicate**: the workflow is open and names another job. ``describe`` (strongly consistent, unlike
   visibility) must still show it open and naming that job.
 * **unowned**: no workflow is open for the job's workflow id, and the chain shows the chain job of that id, this
   provider's, final: the job is settled and nothing will ever watch or bill what runs on.
+* **unmarked**: a job of a tenant's account whose name carries no marker that verifies for this cluster and that
+  account: no workflow can own it. The one exception is a job an open workflow names (``describe`` of the
+  workflow its name claims), such as a job submitted under a marker key since rotated: it is watched and billed,
+  and left alone. A job whose claimed workflow is open but names no job yet is given one more round. Its audit
+  record names the account and tenant, never the workflow its name claims (anyone may write any name).
 
 What happens to a finding is ``hpc.job_service.unowned_jobs``: ``cancel`` (the default) cancels it and audits
-``duplicate_job_cancelled`` or ``unowned_job_cancelled``; ``report`` only audits ``unowned_job_found``. Anything
-else is left alone: a workflow that names no job yet (its submit is under way and reconciles by itself), a job
-whose chain job is not final while no workflow is open (the reconciler's recovery run stops it and settles its
-usage; the next sweep sees the rest), and a workflow id the chain does not know (not this provider's job).
+``duplicate_job_cancelled`` or ``unowned_job_cancelled``; ``report`` only audits ``unowned_job_found``, once per
+job and sweep process. Anything else is left alone: a workflow that names no job yet (its submit is under way and
+reconciles by itself), a marked job whose chain job is not final while no workflow is open (the reconciler's
+recovery run stops it and settles its usage; the next sweep sees the rest), a marked job of a workflow id the
+chain does not know (not this provider's job), and a job marked for another cluster of this provider that shares
+the scheduler (that cluster's sweep judges it).
 
 The sweep runs beside the chain poller, and only in the poller that holds the cluster's intake lease
 (``workers/intake_lease.py``): a cluster served by several pollers is still listed once per interval, and a
@@ -43,7 +53,7 @@ from temporalio.service import RPCError, RPCStatusCode
 
 from activities.audit import AuditLog
 from activities.chain.client import ChainClient
-from activities.schedulers.base import MarkedJob, SchedulerAdapter
+from activities.schedulers.base import ListedJob, SchedulerAdapter
 from virtengine_hpc.config import Config
 from virtengine_hpc.errors import HPCError
 from virtengine_hpc.messages import JOB_WORKFLOW_NAME
@@ -72,6 +82,7 @@ class SweepStats:
     listed: int = 0
     duplicates: list[str] = field(default_factory=list)
     unowned: list[str] = field(default_factory=list)
+    unmarked: list[str] = field(default_factory=list)
     left: int = 0  # live jobs no workflow names, left alone (see the module's docstring)
     standby: bool = (
         False  # another poller holds the cluster's intake lease: it sweeps, this one listed nothing
@@ -107,6 +118,8 @@ class JobSweep:
         self.cancel = job_service.unowned_jobs == "cancel"
         self.rounds = 0  # rounds completed (tests wait on it)
         self._stopping: set[str] = set()  # cancelled by an earlier round, still ending (COMPLETING)
+        self._reported: set[str] = set()  # reported (unowned_jobs: report) by an earlier round: audited once
+        self._waiting: set[str] = set()  # unmarked, claiming an open workflow that named no job last round
 
     async def run(self, stop: asyncio.Event) -> None:
         if self.interval is None:
@@ -137,20 +150,30 @@ class JobSweep:
         if self.lease is not None and not await self.lease.refresh():
             stats.standby = True
             return stats
-        jobs = [job for job in await self.adapter.marked_jobs() if not job.final]
+        jobs = [job for job in await self._listed() if not job.final and not job.marked_elsewhere]
         stats.listed = len(jobs)
-        self._stopping &= {job.scheduler_job_id for job in jobs}
-        jobs = [job for job in jobs if job.scheduler_job_id not in self._stopping]
-        by_workflow: dict[str, list[MarkedJob]] = {}
+        live = {job.scheduler_job_id for job in jobs}
+        self._stopping &= live
+        self._reported &= live
+        jobs = [job for job in jobs if job.scheduler_job_id not in self._stopping | self._reported]
+        by_workflow: dict[str, list[ListedJob]] = {}
         for job in jobs:
-            by_workflow.setdefault(job.workflow_id, []).append(job)
-        named = await self._named(list(by_workflow))
+            if job.workflow_id is not None:
+                by_workflow.setdefault(job.workflow_id, []).append(job)
+        unmarked = [job for job in jobs if job.workflow_id is None]
+        claims = {c for c in (_claim(job) for job in unmarked) if c is not None and c not in by_workflow}
+        named = await self._named([*by_workflow, *sorted(claims)])
         for workflow_id, marked in by_workflow.items():
             await self._check(workflow_id, marked, named.get(workflow_id, Named(open=False)), stats)
+        await self._check_unmarked(unmarked, named, stats)
         self.rounds += 1
         if self.metrics is not None:
             self.metrics.last_sweep.labels(self.cluster_id).set(self.clock())
         return stats
+
+    async def _listed(self) -> list[ListedJob]:
+        """What the scheduler holds that this sweep judges (one query)."""
+        return await self.adapter.swept_jobs()
 
     async def _named(self, workflow_ids: list[str]) -> dict[str, Named]:
         """What each workflow's open run names, as visibility sees it (it lags: findings are confirmed)."""
@@ -170,7 +193,7 @@ class JobSweep:
         return out
 
     @staticmethod
-    def _unnamed(marked: list[MarkedJob], named: Named) -> list[MarkedJob]:
+    def _unnamed(marked: list[ListedJob], named: Named) -> list[ListedJob]:
         """The jobs here that the workflow's open run does not name."""
         return [job for job in marked if job.scheduler_job_id != named.scheduler_job_id]
 
@@ -184,7 +207,7 @@ class JobSweep:
             and bool(named.scheduler_job_id)
         )
 
-    async def _check(self, workflow_id: str, marked: list[MarkedJob], seen: Named, stats: SweepStats) -> None:
+    async def _check(self, workflow_id: str, marked: list[ListedJob], seen: Named, stats: SweepStats) -> None:
         if seen.open:
             if not self._names_a_job_here(seen) or not self._unnamed(marked, seen):
                 return  # names its job, none yet (a submit under way reconciles by itself), or one elsewhere
@@ -229,11 +252,63 @@ class JobSweep:
         job = await self.chain.get_job(workflow_id)
         return job is not None and job.raw_spec.get("provider") == self.provider and job.state.final
 
+    async def _check_unmarked(
+        self, jobs: list[ListedJob], named: dict[str, Named], stats: SweepStats
+    ) -> None:
+        """Jobs of tenants' accounts without a valid marker: unowned, unless an open workflow names them.
+
+        Only a job whose name claims a workflow that visibility shows open costs a ``describe`` (once per
+        workflow), which confirms what it names before anything is cancelled."""
+        waiting: set[str] = set()
+        found: list[ListedJob] = []
+        confirmed: dict[str, Named | None] = {}
+        for job in jobs:
+            claimed = _claim(job)
+            seen: Named | None = named.get(claimed, Named(open=False)) if claimed else Named(open=False)
+            if claimed is not None and seen is not None and seen.open and not self._names(seen, job):
+                if claimed not in confirmed:
+                    confirmed[claimed] = await self._describe(claimed)
+                seen = confirmed[claimed]
+            verdict = self._unmarked_verdict(job, seen)
+            if verdict == "left":
+                stats.left += 1
+            elif verdict == "wait":
+                waiting.add(job.scheduler_job_id)
+                stats.left += 1
+            else:
+                found.append(job)
+        self._waiting = waiting
+        if found:
+            await self._found_unmarked(found, stats)
+
+    def _names(self, seen: Named, job: ListedJob) -> bool:
+        """The workflow's open run names this very job, on this cluster."""
+        return self._names_a_job_here(seen) and seen.scheduler_job_id == job.scheduler_job_id
+
+    def _unmarked_verdict(self, job: ListedJob, seen: Named | None) -> str:
+        """``left`` (an open workflow names it, or Temporal cannot tell now), ``wait`` (the workflow its name
+        claims is open and names no job here yet: one more round) or ``unowned``."""
+        if seen is None:
+            return "left"
+        if self._names(seen, job):
+            log.warning(
+                "scheduler job %s on %s is named by workflow %s but its marker does not verify for account %s: "
+                "was the adoption marker key changed, or does this poller hold another one than the workers?",
+                job.scheduler_job_id,
+                self.cluster_id,
+                job.claims,
+                job.user,
+                extra={"cluster_id": self.cluster_id},
+            )
+            return "left"
+        if seen.open and not self._names_a_job_here(seen) and job.scheduler_job_id not in self._waiting:
+            return "wait"
+        return "unowned"
+
     async def _found(
-        self, workflow_id: str, jobs: list[MarkedJob], kind: str, named: Named, stats: SweepStats
+        self, workflow_id: str, jobs: list[ListedJob], kind: str, named: Named, stats: SweepStats
     ) -> None:
         ids = [job.scheduler_job_id for job in jobs]
-        kept = named.scheduler_job_id
         why = (
             f"the workflow names scheduler job {named.scheduler_job_id}"
             if kind == "duplicate"
@@ -245,28 +320,66 @@ class JobSweep:
             ", ".join(ids),
             self.cluster_id,
             why,
-            "cancelling them" if self.cancel else "reporting them (hpc.job_service.unowned_jobs: report)",
+            self._action(),
             extra={"workflow_id": workflow_id, "job_id": workflow_id, "cluster_id": self.cluster_id},
         )
-        if self.cancel:
-            await self._cancel(ids)
-            self._stopping.update(ids)
+        await self._stop(ids)
         (stats.duplicates if kind == "duplicate" else stats.unowned).extend(ids)
-        event = f"{kind}_job_cancelled" if self.cancel else "unowned_job_found"
         for job in jobs:
-            self.audit.record(
-                event,
-                job_id=workflow_id,
-                cluster_id=self.cluster_id,
-                details={
-                    "scheduler_job_id": job.scheduler_job_id,
-                    "kept": kept,
-                    "kind": kind,
-                    "found_by": "sweep",
-                    "why": why,
-                },
-            )
+            self._audit(job, workflow_id, kind=kind, kept=named.scheduler_job_id, why=why)
 
-    async def _cancel(self, ids: list[str]) -> None:
-        for scheduler_job_id in ids:  # a failure raises: the round ends, the next one finds the job again
-            await self.adapter.cancel(scheduler_job_id)
+    async def _found_unmarked(self, jobs: list[ListedJob], stats: SweepStats) -> None:
+        """Jobs no workflow owns under tenants' accounts: audited under the account and its tenant, never under
+        the workflow a name claims (a tenant may write any name, another tenant's workflow id included)."""
+        ids = [job.scheduler_job_id for job in jobs]
+        why = "it runs as a tenant's account and carries no valid marker of a workflow: no workflow watches or bills it"
+        log.error(
+            "scheduler jobs %s on %s (accounts %s) belong to no workflow (%s); %s",
+            ", ".join(ids),
+            self.cluster_id,
+            ", ".join(sorted({job.user for job in jobs})),
+            why,
+            self._action(),
+            extra={"cluster_id": self.cluster_id},
+        )
+        await self._stop(ids)
+        stats.unmarked.extend(ids)
+        for job in jobs:
+            self._audit(job, None, kind="unmarked", kept=None, why=why)
+
+    def _action(self) -> str:
+        return "cancelling them" if self.cancel else "reporting them (hpc.job_service.unowned_jobs: report)"
+
+    async def _stop(self, ids: list[str]) -> None:
+        """Cancel (a failure raises: the round ends, the next one finds the jobs again), or mark as reported."""
+        if self.cancel:
+            await self.adapter.cancel_many(ids)
+            self._stopping.update(ids)
+        else:
+            self._reported.update(ids)
+
+    def _audit(
+        self, job: ListedJob, workflow_id: str | None, *, kind: str, kept: str | None, why: str
+    ) -> None:
+        event = (
+            ("unowned_job_cancelled" if kind != "duplicate" else "duplicate_job_cancelled")
+            if self.cancel
+            else "unowned_job_found"
+        )
+        details: dict[str, object] = {
+            "scheduler_job_id": job.scheduler_job_id,
+            "kept": kept,
+            "kind": kind,
+            "found_by": "sweep",
+            "why": why,
+            "account": job.user,
+            "tenant": self.adapter.tenant_of(job.user) if job.user else None,
+        }
+        if kind == "unmarked":
+            details["claims"] = _claim(job)
+        self.audit.record(event, job_id=workflow_id, cluster_id=self.cluster_id, details=details)
+
+
+def _claim(job: ListedJob) -> str | None:
+    """The workflow an unmarked job's name claims, if it is a well-formed id (anything else is no claim)."""
+    return job.claims if job.claims and _SAFE_ID.fullmatch(job.claims) else None

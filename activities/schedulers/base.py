@@ -16,15 +16,16 @@ exceptions (``virtengine_hpc.errors``) into Temporal errors. The contract, which
 * ``usage`` returns the job's raw cumulative reading since it started (monotone), final once the job ended, so
   that period records are differences of cumulative readings and add up to the final accounting.
 * ``cancel`` of a job that already ended is not an error.
-* ``marked_jobs`` (optional) lists, in one query, every job the scheduler holds that carries one of this provider's
-  workflow markers, so that jobs no workflow names (a late duplicate) can be found and stopped.
+* ``swept_jobs`` (optional) lists, in one query, every live job that carries one of this provider's workflow
+  markers and, with per-tenant accounts, every live job of a tenant's account, marked or not, so that jobs no
+  workflow names (a late duplicate, a job a tenant submitted itself) can be found and stopped.
 """
 
 from __future__ import annotations
 
 import abc
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from datetime import datetime
 from typing import ClassVar
 
@@ -75,11 +76,22 @@ class SubmitResult(Model):
     )
 
 
-class MarkedJob(Model):
-    """A scheduler job that carries this provider's marker of a workflow (what ``marked_jobs`` lists)."""
+class ListedJob(Model):
+    """A live scheduler job the sweep judges (what ``swept_jobs`` lists): one that carries this provider's marker
+    of a workflow, or one that runs as a tenant's account whatever its name."""
 
     scheduler_job_id: str
-    workflow_id: str
+    workflow_id: str | None = Field(
+        None,
+        description="The workflow whose marker the job carries, verified for this cluster and the account it runs "
+        "as; None: no valid marker (a job the tenant submitted itself, a look-alike).",
+    )
+    marked_elsewhere: bool = Field(
+        False,
+        description="Its marker verifies for another cluster of this provider sharing the scheduler: that "
+        "cluster's sweep judges it.",
+    )
+    claims: str | None = Field(None, description="The workflow its name claims, verified or not.")
     final: bool = False
     name: str = Field("", description="The job's name on the scheduler.")
     user: str = Field("", description="The account the scheduler says the job runs as.")
@@ -171,12 +183,22 @@ class SchedulerAdapter(abc.ABC):
         with the account of a job found by its workflow id."""
         return None
 
-    async def marked_jobs(self) -> list[MarkedJob]:
-        """Every job the scheduler still holds that carries this provider's marker of a workflow, from one
-        query: what the per-cluster sweep (``workers/sweeper.py``) checks against the workflows.
+    async def swept_jobs(self) -> list[ListedJob]:
+        """Every live job the per-cluster sweep (``workers/sweeper.py``) checks against the workflows, from one
+        query: those that carry this provider's marker of a workflow and, with per-tenant accounts, every job of
+        a tenant's account (a tenant's own ``sbatch`` carries no valid marker; nothing else would stop or bill it).
 
         Adapters that cannot list their jobs raise ``NotImplementedError``: the sweep is then off for them."""
         raise NotImplementedError(f"{self.name} cannot list its jobs")
+
+    async def cancel_many(self, scheduler_job_ids: Sequence[str]) -> None:
+        """Cancel several jobs (the sweep's findings); one call per job unless the scheduler takes a list."""
+        for scheduler_job_id in scheduler_job_ids:
+            await self.cancel(scheduler_job_id)
+
+    def tenant_of(self, account: str) -> str | None:
+        """The tenant a cluster account belongs to (``hpc.tenants``), for audit records; None if unknown."""
+        return None
 
     def on_refused_adoption(self, listener: Callable[[RefusedAdoption], None]) -> None:
         """Hear about every look-alike this adapter refuses to adopt (the job activities audit them)."""

@@ -608,8 +608,9 @@ def _err(stderr: str) -> dict[str, Any]:
     return {"stdout": "", "stderr": stderr, "code": 1}
 
 
-def ensure_user(name: str) -> bool:
-    """Create a locked-password system account ``name`` (key login only) if missing; False if we cannot."""
+def ensure_user(name: str, *, system: bool = True) -> bool:
+    """Create a locked-password account ``name`` (key login only) if missing; False if we cannot. A tenant's is an
+    ordinary account (``system=False``): uids below UID_MIN are never a tenant's (docs/security.md)."""
     try:
         pwd.getpwnam(name)
         return True
@@ -620,7 +621,7 @@ def ensure_user(name: str) -> bool:
     made = subprocess.run(
         [
             "useradd",
-            "--system",
+            *(["--system"] if system else []),
             "--no-create-home",
             "--home-dir",
             "/nonexistent",

@@ -42,10 +42,16 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Generic, Protocol, TypeVar
 
-from activities.schedulers.base import RefusedAdoption, SchedulerAdapter, SubmitRequest, SubmitResult
+from activities.schedulers.base import (
+    ListedJob,
+    RefusedAdoption,
+    SchedulerAdapter,
+    SubmitRequest,
+    SubmitResult,
+)
 from virtengine_hpc.config import RetryConfig
 from virtengine_hpc.errors import SchedulerError, SchedulerUnavailable
-from virtengine_hpc.markers import MarkerKey, bare_name, marked_name, marked_workflow
+from virtengine_hpc.markers import MarkerKey, bare_name, claimed_workflow, marked_name, marked_workflow
 from virtengine_hpc.tenancy import TenantAccountError
 
 log = logging.getLogger(__name__)
@@ -299,6 +305,10 @@ class BatchSchedulerAdapter(SchedulerAdapter, abc.ABC):
     """
 
     cluster_id: str = ""
+    #: The provider's other clusters (``hpc.clusters``): a job marked for one of them is that cluster's sweep's.
+    sibling_clusters: tuple[str, ...] = ()
+    #: Cancelled in one command by ``cancel_many``.
+    CANCEL_CHUNK = 500
 
     def __init__(self, *, backoff: Backoff, markers: MarkerKey | None = None) -> None:
         self.backoff = backoff
@@ -358,6 +368,40 @@ class BatchSchedulerAdapter(SchedulerAdapter, abc.ABC):
 
     def owner(self, workflow_id: str, tenant: str | None = None) -> Owner:
         return Owner(workflow_id, self.account_for(tenant))
+
+    def _tenant_accounts(self) -> frozenset[str]:
+        """The accounts that run tenants' jobs and nothing else (empty without per-tenant accounts: then the
+        provider's own account runs them, and its other jobs are the operator's business)."""
+        return frozenset()
+
+    def listed(self, job_id: str, *, name: str, user: str, final: bool) -> ListedJob | None:
+        """What the sweep judges of one live job: a job marked for one of this provider's accounts, or any job of
+        a tenant's account; None for anyone else's job."""
+        workflow = None
+        if user in self._adoptable_accounts():
+            workflow = marked_workflow(self.markers, cluster_id=self.cluster_id, account=user, name=name)
+        if workflow is None and user not in self._tenant_accounts():
+            return None
+        elsewhere = workflow is None and any(
+            marked_workflow(self.markers, cluster_id=cluster, account=user, name=name) is not None
+            for cluster in self.sibling_clusters
+        )
+        return ListedJob(
+            scheduler_job_id=job_id,
+            workflow_id=workflow,
+            marked_elsewhere=elsewhere,
+            claims=claimed_workflow(name),
+            final=final,
+            name=name,
+            user=user,
+        )
+
+    async def cancel_many(self, scheduler_job_ids: Sequence[str]) -> None:
+        for chunk in chunked(scheduler_job_ids, self.CANCEL_CHUNK):
+            await retrying(self._canceller(chunk), self.backoff, f"cancel {len(chunk)} jobs")
+
+    def _canceller(self, ids: list[str]) -> Callable[[], Awaitable[None]]:
+        return lambda: self._cancel_many(ids)
 
     def job_name(self, owner: Owner, account: str | None = None) -> str:
         """The name of the owner's job: ``vehpc-<workflow id>.<tag>``, the tag binding cluster and account."""

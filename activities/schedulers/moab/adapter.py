@@ -31,7 +31,7 @@ from datetime import UTC, datetime
 from decimal import Decimal
 from pathlib import Path
 
-from activities.schedulers.base import Accounting, NativeStatus, SubmitRequest, register
+from activities.schedulers.base import Accounting, ListedJob, NativeStatus, SubmitRequest, register
 from activities.schedulers.batch.base import (
     Backoff,
     BatchSchedulerAdapter,
@@ -131,7 +131,7 @@ class MoabAdapter(BatchSchedulerAdapter):
                 ca_cert=m.mws_ca_cert,
                 lookup_users=sorted(tenants.accounts()),
             )
-        return cls(
+        adapter = cls(
             backend,
             cluster_id=cluster_id,
             config=m,
@@ -139,6 +139,8 @@ class MoabAdapter(BatchSchedulerAdapter):
             tenants=tenants,
             markers=load_key(secrets, config.state_dir),
         )
+        adapter.sibling_clusters = tuple(c for c in config.cluster_ids() if c != cluster_id)
+        return adapter
 
     @staticmethod
     def _ssh_backend(m: MoabConfig, tenants: TenantAccounts, timeout: float) -> CliBackend:
@@ -224,6 +226,22 @@ class MoabAdapter(BatchSchedulerAdapter):
 
     async def _cancel_many(self, scheduler_job_ids: Sequence[str]) -> None:
         await self.backend.cancel(list(scheduler_job_ids))
+
+    async def swept_jobs(self) -> list[ListedJob]:
+        """The live jobs of every account this provider's jobs run as (one ``showq --xml``, or one MWS query):
+        those marked for one of them, and with per-tenant accounts every job of a tenant's account."""
+        out: list[ListedJob] = []
+        for job in await self.backend.live():
+            listed = self.listed(job.job_id, name=job.name, user=job.user, final=mapped(job).state.final)
+            if listed is not None:
+                out.append(listed)
+        return out
+
+    def _tenant_accounts(self) -> frozenset[str]:
+        return self.tenants.accounts() if self.tenants.isolated else frozenset()
+
+    def tenant_of(self, account: str) -> str | None:
+        return self.tenants.tenant_of(account)
 
     # ---- status --------------------------------------------------------------------------------------------
     async def status_batch(self, scheduler_job_ids: Iterable[str]) -> dict[str, NativeStatus]:

@@ -94,6 +94,10 @@ class MoabBackend(abc.ABC):
         """One job in detail (``checkjob``), or ``None`` when MOAB no longer knows it."""
 
     @abc.abstractmethod
+    async def live(self) -> list[p.MoabJob]:
+        """Every job of the accounts lookups search (``lookup_users``) that MOAB holds live, in one query."""
+
+    @abc.abstractmethod
     async def cancel(self, job_ids: Sequence[str]) -> None: ...
 
     @abc.abstractmethod
@@ -187,6 +191,9 @@ class CliBackend(MoabBackend):
         wanted = set(names)
         live, done = await asyncio.gather(self._showq(False), self._showq(True))
         return [job for job in [*done, *live] if job.name in wanted and job.user in self.lookup_users]
+
+    async def live(self) -> list[p.MoabJob]:
+        return [job for job in await self._showq(False) if job.user in self.lookup_users]
 
     async def prepare_workdir(self, path: str, account: str) -> None:
         await self.executors.prepare_workdir(path, account, SubmissionRejected)
@@ -350,6 +357,11 @@ class MwsBackend(MoabBackend):
     async def by_names(self, names: Sequence[str]) -> list[p.MoabJob]:
         jobs = await self._query({"customName": {"$in": list(names)}})
         return [job for job in jobs if job.user in self.lookup_users]
+
+    async def live(self) -> list[p.MoabJob]:
+        return [
+            job for job in await self._query({}) if job.user in self.lookup_users and job.queue != "completed"
+        ]
 
     async def job(self, job_id: str) -> p.MoabJob | None:
         body = await self._request("GET job", "GET", f"/rest/jobs/{job_id}", missing_ok=True)

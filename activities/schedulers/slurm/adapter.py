@@ -41,12 +41,13 @@ from datetime import UTC, datetime
 from decimal import Decimal
 from pathlib import Path
 
-from activities.schedulers.base import Accounting, MarkedJob, NativeStatus, SubmitRequest, register
+from activities.schedulers.base import Accounting, ListedJob, NativeStatus, SubmitRequest, register
 from activities.schedulers.slurm import parsers as p
 from activities.schedulers.slurm.backends import (
     TRANSIENT_PATTERNS,
     AccountingDisabled,
     CliBackend,
+    ClusterInfo,
     PyslurmBackend,
     RestBackend,
     SlurmBackend,
@@ -73,7 +74,7 @@ from activities.schedulers.slurm.transports import (
 from activities.tenant_accounts import TenantAccounts
 from virtengine_hpc.config import Config, Secrets, SlurmConfig
 from virtengine_hpc.errors import ConfigError, JobNotFound, SchedulerError
-from virtengine_hpc.markers import MarkerKey, load_key, marked_workflow
+from virtengine_hpc.markers import MarkerKey, load_key
 from virtengine_hpc.metering import Allocated, Reading, highest
 from virtengine_hpc.states import JobState
 
@@ -201,7 +202,7 @@ class SlurmAdapter(BatchSchedulerAdapter):
                 )
             user = pwd.getpwuid(os.getuid()).pw_name
             backend = PyslurmBackend(module, cluster=s.cluster_name, user=user)
-        return cls(
+        adapter = cls(
             backend,
             cluster_id=cluster_id,
             config=s,
@@ -209,6 +210,8 @@ class SlurmAdapter(BatchSchedulerAdapter):
             tenants=tenants,
             markers=load_key(secrets, config.state_dir),
         )
+        adapter.sibling_clusters = tuple(c for c in config.cluster_ids() if c != cluster_id)
+        return adapter
 
     @staticmethod
     def _ssh_backend(
@@ -255,7 +258,16 @@ class SlurmAdapter(BatchSchedulerAdapter):
         return self.tenants.assigned(tenant)
 
     async def _account(self, tenant: str) -> str:
-        """The account the tenant's job runs as (``TenantAccountError`` when it has none or a privileged one)."""
+        """The account the tenant's job runs as (``TenantAccountError`` when it has none or a privileged one).
+
+        Before the pool hands a tenant its account, the cluster is asked whether any still unassigned pool
+        account has jobs: such an account is some tenant's in an assignments file this one does not know (lost
+        and recreated, or another host's own), and is never handed out here."""
+        if await asyncio.to_thread(self.tenants.needs_assignment, tenant):
+            free = await asyncio.to_thread(self.tenants.unassigned_pool)
+            if free:
+                in_use = await self.backend.users_with_jobs(free)
+                self.tenants.hold_back(in_use, cluster_id=self.cluster_id)
         return await asyncio.to_thread(self.tenants.account_for, tenant, submit_account=self.backend.user)
 
     @property
@@ -288,12 +300,37 @@ class SlurmAdapter(BatchSchedulerAdapter):
                     self.config.controller_host,
                     ", ".join(info.controller_hosts),
                 )
+            await self._learn_privileged(info)
             self._checked = True
+
+    async def _learn_privileged(self, info: ClusterInfo) -> None:
+        """What the cluster says is privileged (SlurmUser, operators, administrators) is never a tenant's
+        account (``hpc.tenants``): a job that would run as one is refused."""
+        if not self.tenants.isolated:
+            return
+        privileged: dict[str, str] = {}
+        if info.slurm_user:
+            privileged[info.slurm_user] = "the cluster's SlurmUser (Slurm's own daemon account)"
+        try:
+            levels = await self.backend.administrators()
+        except SchedulerError as exc:  # the provider's account may not read them: the other checks stand
+            log.warning(
+                "cannot read the Slurm operators and administrators of %s, so tenant accounts are not checked "
+                "against them: %s",
+                self.cluster_id,
+                exc,
+            )
+            levels = {}
+        for user, level in levels.items():
+            privileged[user] = f"a Slurm {level} (sacctmgr AdminLevel): it may act on every user's jobs"
+        self.tenants.refuse(privileged, cluster_id=self.cluster_id)
 
     # ---- submission ----------------------------------------------------------------------------------------
     async def _submit_new(self, request: SubmitRequest) -> str:
-        account = await self._account(request.job.tenant)
-        await self._ready()
+        account = await self._account(request.job.tenant)  # a refusal needs no scheduler
+        if not self._checked:
+            await self._ready()  # learns which accounts the cluster holds privileged: check again
+            account = await self._account(request.job.tenant)
         work_dir = str(self.config.work_dir) if self.config.work_dir else None
         if work_dir is not None and self.tenants.isolated:
             work_dir = f"{work_dir.rstrip('/')}/{account}"  # the tenant's own, 0700: no other tenant reads it
@@ -354,34 +391,23 @@ class SlurmAdapter(BatchSchedulerAdapter):
     async def _cancel_many(self, scheduler_job_ids: Sequence[str]) -> None:
         await self.backend.cancel(list(scheduler_job_ids))
 
-    async def marked_jobs(self) -> list[MarkedJob]:
-        """The jobs that carry a workflow's marker and have not ended, of every account this provider's jobs run
-        as (one ``squeue``)."""
+    async def swept_jobs(self) -> list[ListedJob]:
+        """The live jobs of every account this provider's jobs run as (one ``squeue``): those marked for one of
+        them, and with per-tenant accounts every job of a tenant's account, marked or not."""
         await self._ready()
-        out: list[MarkedJob] = []
+        out: list[ListedJob] = []
         for job in await self.backend.queue_live():
-            workflow = self._marked_workflow(job)
-            if workflow is None:
-                continue
             final = map_state(job.state).state.final
-            out.append(
-                MarkedJob(
-                    scheduler_job_id=job.job_id,
-                    workflow_id=workflow,
-                    final=final,
-                    name=job.name,
-                    user=job.user,
-                )
-            )
+            listed = self.listed(job.job_id, name=job.name, user=job.user, final=final)
+            if listed is not None:
+                out.append(listed)
         return out
 
-    def _marked_workflow(self, job: p.QueueJob) -> str | None:
-        """The workflow whose marker ``job`` carries, made for the account it runs as, one of those this
-        provider's jobs run as; else None (another's job, or a look-alike). The one marker check of the sweep,
-        the same as the adoption checks' (``virtengine_hpc.markers``)."""
-        if job.user not in self._adoptable_accounts():
-            return None
-        return marked_workflow(self.markers, cluster_id=self.cluster_id, account=job.user, name=job.name)
+    def _tenant_accounts(self) -> frozenset[str]:
+        return self.tenants.accounts() if self.tenants.isolated else frozenset()
+
+    def tenant_of(self, account: str) -> str | None:
+        return self.tenants.tenant_of(account)
 
     # ---- status --------------------------------------------------------------------------------------------
     async def status_batch(self, scheduler_job_ids: Iterable[str]) -> dict[str, NativeStatus]:

@@ -81,6 +81,7 @@ class ClusterInfo:
     controller_hosts: tuple[str, ...] = ()
     controller_port: int | None = None
     min_job_age_seconds: int | None = None
+    slurm_user: str | None = None
 
 
 class AccountingDisabled(SchedulerError):
@@ -117,6 +118,17 @@ class SlurmBackend(abc.ABC):
     @abc.abstractmethod
     async def queue_by_names(self, names: Sequence[str]) -> list[p.QueueJob]:
         """This user's jobs with these names, in any state the controller still holds."""
+
+    async def administrators(self) -> dict[str, str]:
+        """Slurm accounts with an administrative level (user -> ``Operator``/``Administrator``), where the
+        provider's account may read them; raises ``SchedulerError`` when it may not."""
+        return {}
+
+    async def users_with_jobs(self, users: Sequence[str]) -> dict[str, str]:
+        """Which of ``users`` have jobs the controller still holds (user -> what shows it)."""
+        wanted = set(users)
+        counts = Counter(job.user for job in await self.queue_live() if job.user in wanted)
+        return {user: f"{n} live job(s)" for user, n in counts.items()}
 
     async def queue_live(self) -> list[p.QueueJob]:
         """Every job of the accounts lookups search (``lookup_users``) that has not ended, in one query."""
@@ -215,7 +227,14 @@ class CliBackend(SlurmBackend):
             controller_hosts=tuple(hosts),
             controller_port=p.parse_int(port),  # ASCII digits only: "²".isdigit() is True, int("²") fails
             min_job_age_seconds=p.parse_int(age),
+            slurm_user=config.get("SlurmUser", "").partition("(")[0].strip() or None,  # "slurm(64030)"
         )
+
+    async def administrators(self) -> dict[str, str]:
+        result = await self._run(
+            ["sacctmgr", "-n", "-P", "show", "user", "format=User,AdminLevel"], what="sacctmgr show user"
+        )
+        return p.parse_admin_levels(result.stdout)
 
     async def submit(self, plan: SubmitPlan, account: str | None = None) -> str:
         result = await self._run(
@@ -329,6 +348,21 @@ class CliBackend(SlurmBackend):
         sep, fields = p.new_separator(), p.SACCT_LOOKUP_FIELDS
         argv = self._sacct("-u", users, "--name", ",".join(names), steps=False, fields=fields, sep=sep)
         return await self._accounting(argv, fields, sep)
+
+    async def users_with_jobs(self, users: Sequence[str]) -> dict[str, str]:
+        """Jobs the controller holds or accounting knows within the lookback (one ``squeue``, one ``sacct``)."""
+        out = await super().users_with_jobs(users)
+        sep, fields = p.new_separator(), p.SACCT_LOOKUP_FIELDS
+        argv = self._sacct("-u", ",".join(users), steps=False, fields=fields, sep=sep)
+        try:
+            counts = Counter(
+                job.user for job in await self._accounting(argv, fields, sep) if job.user in users
+            )
+        except AccountingDisabled:
+            return out
+        for user, n in counts.items():
+            out.setdefault(user, f"{n} job(s) in accounting since {self.lookback}")
+        return out
 
     async def live_steps(self, job_id: str) -> list[p.LiveStep] | None:
         if self.tenant_shell:
@@ -458,6 +492,13 @@ class RestBackend(SlurmBackend):
         body = await self._get("cluster", f"{self.slurmdb}/cluster/{self.cluster}")
         names = [c.get("name") for c in body.get("clusters") or [] if isinstance(c, dict)]
         return ClusterInfo(cluster_name=self.cluster if self.cluster in names else ",".join(map(str, names)))
+
+    async def administrators(self) -> dict[str, str]:
+        body = await self._get("slurmdb/users", f"{self.slurmdb}/users")
+        errors = p.rest_errors(body)
+        if errors and not body.get("users"):
+            raise await self._fail(errors, "slurmdbd users", SchedulerError)
+        return p.parse_rest_admin_levels(body)
 
     async def submit(self, plan: SubmitPlan, account: str | None = None) -> str:
         self.calls["job/submit"] += 1

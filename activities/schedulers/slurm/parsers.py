@@ -713,3 +713,31 @@ def parse_rest_db_jobs(body: Mapping[str, Any]) -> list[AcctJob]:
             )
         )
     return group_runs(jobs)
+
+
+_ADMIN_LEVELS = {"operator": "Operator", "administrator": "Administrator"}
+
+
+def parse_admin_levels(text: str) -> dict[str, str]:
+    """``sacctmgr -n -P show user format=User,AdminLevel``: the users whose level is above ``None``."""
+    out: dict[str, str] = {}
+    for line in text.splitlines():
+        user, sep, level = line.strip().partition("|")
+        known = _ADMIN_LEVELS.get(level.strip().lower())
+        if sep and user and known:
+            out[user] = known
+    return out
+
+
+def parse_rest_admin_levels(body: dict[str, Any]) -> dict[str, str]:
+    """slurmdbd's ``users`` answer (``administrator_level`` per user), the same as ``parse_admin_levels``."""
+    out: dict[str, str] = {}
+    for user in body.get("users") or []:
+        if not isinstance(user, dict) or not isinstance(user.get("name"), str):
+            continue
+        level = user.get("administrator_level")
+        levels = level if isinstance(level, list) else [level]
+        known = [_ADMIN_LEVELS[str(x).lower()] for x in levels if str(x).lower() in _ADMIN_LEVELS]
+        if known:
+            out[user["name"]] = known[-1]
+    return out
