@@ -20,11 +20,13 @@ import pytest
 from temporalio.client import Client, WorkflowExecutionStatus
 from temporalio.service import RPCError
 
+from activities.chain.client import StatusReport
 from tests.conftest import make_config
 from tests.memory_adapter import MemoryAdapter
 from tests.pipeline_harness import TENANT, Pipeline, running_pipeline
-from tests.poller_support import idle_queue, start_idle, terminate_all
+from tests.poller_support import idle_queue, start_idle, terminate_all, visibility_shows
 from virtengine_hpc.messages import JOB_WORKFLOW_NAME
+from virtengine_hpc.states import JobState
 from workers.intake_lease import SETTLE_SECONDS, IntakeLease, lease_id
 from workers.metrics import WorkerMetrics
 from workers.poller import ChainPoller
@@ -338,29 +340,61 @@ async def test_a_standby_poller_forwards_a_cancel_the_holder_left_for_a_whole_te
 async def test_a_flood_of_cancels_does_not_delay_another_tenants_cancel(
     client: Client, tmp_path: Path, key_path: Path, task_queue: str
 ) -> None:
-    """A tenant submits 300 jobs beyond the limit (pending, no workflow) and cancels them all; then another tenant
-    cancels a job whose workflow runs. The cancellations are taken in turns by tenant, ``cancel_concurrency`` at
-    once: the other tenant's cancel is among the first forwarded, not behind the whole flood (whose every cancel
-    costs a lookup, a start and an audit record). Every cancel of the flood is forwarded too, in the same round."""
+    """A tenant submits 300 jobs beyond the limit (pending, no workflow) and cancels them all, then its own running
+    job; then another tenant cancels a job whose workflow was just started. ``cancel_concurrency`` at once, the
+    cancels of jobs that run come first and the rest in turns by tenant: both cancels are among the first forwarded,
+    not behind the whole flood (whose every cancel costs a lookup, a start and an audit record). Every cancel of the
+    flood is forwarded too, in the same round."""
     config = pipeline_config(tmp_path, 5)
     async with running_pipeline(client, config, key_path, MemoryAdapter(), task_queue) as pipe:
         queue = idle_queue()
-        pipe.ledger.fund("mallory", 300)
+        pipe.ledger.fund("mallory", 400)
         flood = [pipe.submit(decide=False, max_price="1", tenant="mallory") for _ in range(300)]
-        for job_id in flood:
+        own = pipe.submit(tenant="mallory")
+        await start_idle(pipe, own, queue)
+        await pipe.ledger.report_status(StatusReport(job_id=own, state=JobState.RUNNING))
+        for job_id in [*flood, own]:
             pipe.ledger.request_cancel(job_id)
         victim = pipe.submit()
-        await start_idle(pipe, victim, queue)
+        await start_idle(pipe, victim, queue)  # not reported yet: pending on chain, like the flood
         pipe.ledger.request_cancel(victim)
         order: list[str] = []
         poller = make_poller(pipe, RecordingCalls(client, order), queue, holder="poller")
         try:
             stats = await poller.forward_cancellations()
-            assert sorted(stats.cancelled) == sorted([victim, *flood])
-            assert order.index(f"signal {victim}") < poller.cancel_concurrency + 1, order[:12]
+            assert sorted(stats.cancelled) == sorted([victim, own, *flood])
+            first = [op for op in order if op.startswith("signal ")][: poller.cancel_concurrency]
+            assert {f"signal {own}", f"signal {victim}"} <= set(first), first
             assert await cancel_signals(client, victim) == 1
         finally:
-            await terminate_all(client, [victim, *flood])
+            await terminate_all(client, [victim, own, *flood])
+
+
+async def test_jobs_cancelled_before_they_started_take_no_slot(
+    client: Client, tmp_path: Path, key_path: Path, task_queue: str
+) -> None:
+    """A tenant submits 20 jobs beyond the limit and cancels them: each gets its workflow started with the cancel
+    in it, outside the intake. Such a workflow submits nothing and shows as cancelled from its start, so it takes
+    no slot: a fresh job of another tenant starts in the next round, even while those workflows are still open (on
+    a queue no worker polls here, so they stay open; with a worker they close within seconds, a flood of
+    thousands within minutes)."""
+    config = pipeline_config(tmp_path, 5)
+    async with running_pipeline(client, config, key_path, MemoryAdapter(), task_queue) as pipe:
+        queue = idle_queue()
+        pipe.ledger.fund("mallory", 20)
+        flood = [pipe.submit(decide=False, max_price="1", tenant="mallory") for _ in range(20)]
+        for job_id in flood:
+            pipe.ledger.request_cancel(job_id)
+        poller = make_poller(pipe, client, queue, holder="poller")
+        try:
+            assert sorted((await poller.forward_cancellations()).cancelled) == sorted(flood)
+            await visibility_shows(client, dict.fromkeys(flood, WorkflowExecutionStatus.RUNNING))
+            fresh = pipe.submit()
+            stats = await poller.take_jobs()
+            assert stats.started == [fresh] and stats.running == 0
+            assert len(pipe.audit_events("job_cancelled")) == 20
+        finally:
+            await terminate_all(client, [*flood, *poller._recent])
 
 
 class RecordingCalls:

@@ -345,7 +345,8 @@ async def test_tenant_cancel_is_listed_until_the_job_is_final(ledger: LocalLedge
 
 
 async def test_cancel_requests_are_listed_in_turns_by_tenant(ledger: LocalLedger) -> None:
-    """A tenant that cancels many jobs does not push another tenant's cancel to the end of the list."""
+    """A tenant that cancels many jobs does not push another tenant's cancel to the end of the list, nor does a
+    flood of cancels of pending jobs push back the cancel of a job that runs."""
     ledger.fund("mallory", "100")
     flood = [ledger.submit_job(spec(tenant="mallory", max_price="1")) for _ in range(4)]
     mine = [ledger.submit_job(spec()) for _ in range(2)]
@@ -353,6 +354,10 @@ async def test_cancel_requests_are_listed_in_turns_by_tenant(ledger: LocalLedger
         ledger.request_cancel(job_id)
     listed = await ledger.cancel_requested_jobs("c1", PROVIDER)
     assert listed == [flood[0], mine[0], flood[1], mine[1], flood[2], flood[3]]
+    # A job its workflow has taken (it may run, and be billed) comes before every job still waiting to be taken.
+    await ledger.report_status(StatusReport(job_id=flood[3], state=JobState.RUNNING))
+    listed = await ledger.cancel_requested_jobs("c1", PROVIDER)
+    assert listed == [flood[3], flood[0], mine[0], flood[1], mine[1], flood[2]]
 
 
 # ---- the job state machine ---------------------------------------------------------------------------------

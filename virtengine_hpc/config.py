@@ -157,8 +157,8 @@ class JobServiceConfig(Section):
         ge=1,
         le=512,
         description="Tenant cancellations the poller forwards at once (a signal, or for a job without a workflow a "
-        "start with the cancel in it). Each round takes them in turns by tenant, so one tenant's flood of cancels "
-        "cannot delay another tenant's.",
+        "start with the cancel in it). Each round takes those of running jobs first, and in turns by tenant, so a "
+        "tenant's flood of cancels cannot delay another tenant's.",
     )
     intake_lease: Duration = Field(
         timedelta(seconds=30),

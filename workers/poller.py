@@ -23,8 +23,8 @@ anything) is handed to the reconciler, which starts the run that closes it; a jo
 tried again with backoff while the fetch window grows past it, so the jobs behind it still start.
 
 Tenant cancellations seen on chain become ``cancel`` signals, in a loop of their own: a backlog of starts never
-delays a cancel. They are forwarded ``cancel_concurrency`` at a time in the chain's order, in turns by tenant, so a
-tenant's flood of cancels does not delay another tenant's. Only Temporal's NOT_FOUND answer means "no workflow":
+delays a cancel. They are forwarded ``cancel_concurrency`` at a time in the chain's order (running jobs first, in
+turns by tenant), so a tenant's flood of cancels does not delay another tenant's. Only Temporal's NOT_FOUND answer means "no workflow":
 then a job still pending on chain that never had a workflow gets its workflow started with the cancel in it (the
 workflow cancels and refunds it on chain), and one whose workflow closed goes to the reconciler.
 Any other error is retried next round and never touches the chain, since a workflow may still run the job.
@@ -45,7 +45,12 @@ from typing import Any
 from pydantic import ValidationError as PydanticValidationError
 from temporalio.api.workflowservice.v1 import SignalWithStartWorkflowExecutionResponse
 from temporalio.client import Client, WorkflowExecutionStatus, WorkflowHandle
-from temporalio.common import WorkflowIDConflictPolicy, WorkflowIDReusePolicy
+from temporalio.common import (
+    SearchAttributePair,
+    TypedSearchAttributes,
+    WorkflowIDConflictPolicy,
+    WorkflowIDReusePolicy,
+)
 from temporalio.exceptions import WorkflowAlreadyStartedError
 from temporalio.service import RPCError, RPCStatusCode
 
@@ -66,7 +71,7 @@ from virtengine_hpc.states import JobState
 from workers.intake_lease import IntakeLease
 from workers.metrics import WorkerMetrics
 from workers.reconciler import Backoff, Reconciler
-from workflows.hpc_job import initial_search_attributes
+from workflows.hpc_job import SA_STATE, initial_search_attributes
 
 log = logging.getLogger(__name__)
 
@@ -220,11 +225,14 @@ class ChainPoller:
 
     async def count_running(self) -> int:
         """The cluster's running job workflows: visibility's count, plus the starts made here that it does not
-        list yet. The starts are looked up first: one listed then is in the count that follows."""
+        list yet. The starts are looked up first: one listed then is in the count that follows. A workflow whose
+        job is cancelled holds no slot: one started with a tenant's cancel in it submits nothing (a tenant that
+        cancels thousands of pending jobs would otherwise fill every slot until their workflows closed), and a
+        cancelled job's scheduler job has ended."""
         await self._forget_visible_starts()
         query = (
             f"WorkflowType = '{JOB_WORKFLOW_NAME}' AND ExecutionStatus = 'Running' "
-            f"AND VeClusterId = '{self.cluster_id}'"
+            f"AND VeClusterId = '{self.cluster_id}' AND VeJobState != '{JobState.CANCELLED.value}'"
         )
         return (await self.client.count_workflows(query)).count + len(self._recent)
 
@@ -344,7 +352,7 @@ class ChainPoller:
             id_conflict_policy=(
                 WorkflowIDConflictPolicy.USE_EXISTING if cancel is not None else WorkflowIDConflictPolicy.FAIL
             ),
-            search_attributes=initial_search_attributes(inp),
+            search_attributes=_start_attributes(inp, cancelled=cancel is not None),
             **extra,
         )
         return _started_here(handle)
@@ -480,8 +488,8 @@ class ChainPoller:
             self.metrics.poll_failures.labels(self.cluster_id, cause).inc()
 
     async def _forward_cancellations(self, stats: PollStats) -> None:
-        """Forward the tenant cancellations on chain, ``cancel_concurrency`` at once, in the chain's order (in
-        turns by tenant, so that one tenant's flood does not delay another's cancel). The intake lease holder
+        """Forward the tenant cancellations on chain, ``cancel_concurrency`` at once, in the chain's order (taken
+        jobs first, in turns by tenant, so that a flood of cancels does not delay another tenant's). The intake lease holder
         forwards them; a standby poller only those that have waited a whole lease term (the holder is gone), so
         that a cancel is signalled once."""
         requested = await self.chain.cancel_requested_jobs(self.cluster_id, self.provider)
@@ -570,6 +578,15 @@ class ChainPoller:
             details={"reason": "cancelled before it started"},
         )
         return True
+
+
+def _start_attributes(inp: JobWorkflowInput, *, cancelled: bool) -> TypedSearchAttributes:
+    """A job started with the tenant's cancel in it shows as cancelled from its start (it submits nothing), so that
+    it takes no ``max_concurrent_jobs`` slot while it closes."""
+    attributes = initial_search_attributes(inp)
+    if cancelled:
+        attributes = attributes.updated(SearchAttributePair(SA_STATE, JobState.CANCELLED.value))
+    return attributes
 
 
 def _started_here(handle: WorkflowHandle[Any, Any]) -> bool:

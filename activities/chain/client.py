@@ -92,8 +92,9 @@ class ChainClient(Protocol):
 
     async def cancel_requested_jobs(self, cluster_id: str, provider: str) -> list[str]:
         """Ids of this provider's non-final jobs on ``cluster_id`` (as ``pending_jobs`` assigns them, or where they
-        reported running) whose tenant asked to cancel, in turns by tenant: every tenant's oldest request, then
-        every tenant's second, and so on, so that one tenant's flood does not delay another tenant's cancel."""
+        reported running) whose tenant asked to cancel: first the jobs a workflow has taken (they may run, and
+        be billed), then those still pending, each group in turns by tenant (every tenant's oldest request, then
+        every tenant's second, and so on), so that a flood of cancels does not delay another tenant's cancel."""
         ...
 
     async def open_jobs(

@@ -101,15 +101,17 @@ _COUNT_PENDING_SQL = (
     f"AND {_RUNS_ON} "
     "AND seq > COALESCE((SELECT seq FROM jobs WHERE job_id = ?3), 0)"
 )
-# Cancel requests in turns by tenant (each tenant's oldest first, then each one's second, ...): one tenant's flood
-# of cancels does not push another tenant's to the end of the list.
+# Cancel requests of jobs a workflow has taken (they may be running, and billed) before those of jobs still
+# waiting to be taken; in each group in turns by tenant (each tenant's oldest first, then each one's second, ...):
+# a flood of cancels, one tenant's or many tenants' pending jobs, does not push another's to the end of the list.
 _CANCEL_SQL = (
-    "SELECT job_id FROM (SELECT job_id, seq, "  # noqa: S608
-    "ROW_NUMBER() OVER (PARTITION BY tenant ORDER BY seq) AS turn FROM jobs "
+    "SELECT job_id FROM (SELECT job_id, seq, waiting, "  # noqa: S608
+    "ROW_NUMBER() OVER (PARTITION BY tenant, waiting ORDER BY seq) AS turn FROM "
+    "(SELECT job_id, seq, tenant, (state = 'pending' AND taken = 0) AS waiting FROM jobs "
     "WHERE provider = ?1 AND cancel_requested = 1 "
     "AND state NOT IN ('completed', 'failed', 'timeout', 'cancelled') "
-    f"AND {_RUNS_ON}) "
-    "ORDER BY turn, seq"
+    f"AND {_RUNS_ON})) "
+    "ORDER BY waiting, turn, seq"
 )
 _OPEN_SQL = (
     "SELECT * FROM jobs WHERE provider = ?1 "  # noqa: S608
