@@ -22,11 +22,14 @@ from activities.chain.local_ledger import LocalLedger
 from activities.schedulers.base import RefusedAdoption, SubmitRequest, SubmitResult
 from activities.schedulers.batch.transports import SSHRunner
 from activities.schedulers.moab import MoabAdapter
+from activities.tenant_accounts import AssignmentStore
 from tests import moab_support as ms
+from virtengine_hpc.config import TenantsConfig
 from virtengine_hpc.errors import JobNotFound, SchedulerUnavailable, SecurityError, SubmissionRejected
 from virtengine_hpc.markers import claimed_workflow
 from virtengine_hpc.metering import meter
 from virtengine_hpc.states import JobState
+from virtengine_hpc.tenancy import TenantAccountError, TenantRules
 from workers.sweeper import JobSweep
 
 TRANSPORTS = ("ssh", "rest")
@@ -505,3 +508,39 @@ async def test_the_sweep_cancels_a_job_a_tenant_submitted_itself_and_leaves_the_
     status = await moab.status_batch([free, own.scheduler_job_id])
     assert status[free].state == JobState.CANCELLED and not status[own.scheduler_job_id].state.final
     await moab.cancel(own.scheduler_job_id)
+
+
+async def test_a_pool_account_moab_lists_jobs_of_is_never_handed_to_a_new_tenant(
+    cluster: ms.MoabCluster, tmp_path: Path
+) -> None:
+    """Worker A's assignments file gave tenant X the pool's account and X's job runs as it; worker B keeps a file of
+    its own (lost and recreated, or another host's): it sees the account's job in MOAB and refuses the new tenant
+    rather than hand it the same account."""
+    account = cluster.tenant_users[1]
+    x, z = "virtengine1tenant0x", "virtengine1tenant0z"
+    AssignmentStore(tmp_path / "a.db").assign(x, TenantRules(pool=(account,)))
+
+    def worker(db: str) -> MoabAdapter:
+        config = cluster.config(tmp_path, "ssh")
+        tenants = TenantsConfig(pool=[account], assignments_path=tmp_path / db)
+        config = config.model_copy(update={"hpc": config.hpc.model_copy(update={"tenants": tenants})})
+        adapter = MoabAdapter.from_config(config, ms.secrets(), config.hpc.cluster_id)
+        adapter.hold_jobs = True
+        return adapter
+
+    worker_a, worker_b = worker("a.db"), worker("b.db")
+    x_wf, z_wf = ms.workflow_id("pool-x"), ms.workflow_id("pool-z")
+    try:
+        job = ms.spec(x_wf, "true\n", tenant=x)
+        own = await worker_a.submit(
+            SubmitRequest(workflow_id=x_wf, job=job, body="true\n", first_attempt=True)
+        )
+        assert cluster.moab.jobs[own.scheduler_job_id].user == account
+        job = ms.spec(z_wf, "true\n", tenant=z)
+        with pytest.raises(TenantAccountError, match=r"accounts of hpc\.tenants\.pool are taken"):
+            await worker_b.submit(SubmitRequest(workflow_id=z_wf, job=job, body="true\n", first_attempt=True))
+        assert _jobs_named(cluster, z_wf) == []
+        await worker_a.cancel(own.scheduler_job_id)
+    finally:
+        await worker_a.close()
+        await worker_b.close()

@@ -183,6 +183,16 @@ class MoabAdapter(BatchSchedulerAdapter):
             return self.backend.user
         return self.tenants.assigned(tenant)
 
+    async def _account(self, tenant: str) -> str:
+        """The account the tenant's job runs as; before the pool hands a tenant one, pool accounts no assignment
+        explains but MOAB lists jobs of are held back (as on SLURM: ``SlurmAdapter._account``)."""
+        if await asyncio.to_thread(self.tenants.needs_assignment, tenant):
+            free = await asyncio.to_thread(self.tenants.unassigned_pool)
+            if free:
+                in_use = await self.backend.users_with_jobs(free)
+                self.tenants.hold_back(in_use, cluster_id=self.cluster_id)
+        return await asyncio.to_thread(self.tenants.account_for, tenant, submit_account=self.backend.user)
+
     @property
     def calls(self) -> dict[str, int]:
         """Scheduler queries made so far, by kind (``showq``, ``showq -c``, ``GET jobs``, ...)."""
@@ -190,9 +200,7 @@ class MoabAdapter(BatchSchedulerAdapter):
 
     # ---- submission ----------------------------------------------------------------------------------------
     async def _submit_new(self, request: SubmitRequest) -> str:
-        account = await asyncio.to_thread(
-            self.tenants.account_for, request.job.tenant, submit_account=self.backend.user
-        )
+        account = await self._account(request.job.tenant)
         work_dir = str(self.config.work_dir) if self.config.work_dir else None
         if work_dir is not None and self.tenants.isolated:
             work_dir = f"{work_dir.rstrip('/')}/{account}"  # the tenant's own, 0700: no other tenant reads it

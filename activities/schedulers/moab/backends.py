@@ -98,6 +98,15 @@ class MoabBackend(abc.ABC):
         """Every job of the accounts lookups search (``lookup_users``) that MOAB holds live, in one query."""
 
     @abc.abstractmethod
+    async def all_jobs(self) -> list[p.MoabJob]:
+        """Every job MOAB still lists, live or completed."""
+
+    async def users_with_jobs(self, users: Sequence[str]) -> dict[str, str]:
+        """Which of ``users`` have jobs MOAB still lists, live or completed (user -> what shows it)."""
+        counts = Counter(job.user for job in await self.all_jobs() if job.user in users)
+        return {user: f"{n} job(s) MOAB still lists" for user, n in counts.items()}
+
+    @abc.abstractmethod
     async def cancel(self, job_ids: Sequence[str]) -> None: ...
 
     @abc.abstractmethod
@@ -194,6 +203,10 @@ class CliBackend(MoabBackend):
 
     async def live(self) -> list[p.MoabJob]:
         return [job for job in await self._showq(False) if job.user in self.lookup_users]
+
+    async def all_jobs(self) -> list[p.MoabJob]:
+        live, done = await asyncio.gather(self._showq(False), self._showq(True))
+        return [*live, *done]
 
     async def prepare_workdir(self, path: str, account: str) -> None:
         await self.executors.prepare_workdir(path, account, SubmissionRejected)
@@ -362,6 +375,9 @@ class MwsBackend(MoabBackend):
         return [
             job for job in await self._query({}) if job.user in self.lookup_users and job.queue != "completed"
         ]
+
+    async def all_jobs(self) -> list[p.MoabJob]:
+        return await self._query({})
 
     async def job(self, job_id: str) -> p.MoabJob | None:
         body = await self._request("GET job", "GET", f"/rest/jobs/{job_id}", missing_ok=True)
