@@ -669,7 +669,9 @@ class JobActivities:
         the chain answers "duplicate" (an earlier attempt's record got there first), the stored record is read
         back and carried forward, so the records always add up to the final accounting.
         """
-        return await self._report_usage(request, Attempt.current())
+        out = await self._report_usage(request, Attempt.current())
+        # The workflow's clock stands still while a local activity runs: this says when the report really ended.
+        return out.model_copy(update={"answered_at": datetime.now(UTC)})
 
     async def _report_usage(self, request: UsageInput, attempt: Attempt) -> UsageOutput:
         rid = record_id(request.cluster_id, request.job_id, request.sequence)

@@ -476,14 +476,19 @@ class LostAnswerChain:
         return await self.ledger.get_usage_record(record_id)
 
 
+@pytest.mark.parametrize("by_monitor", [False, True], ids=["watch activity", "cluster monitor"])
 async def test_a_usage_retry_after_a_lost_answer_carries_the_stored_record(
-    client: Any, tmp_path: Path, key_path: Path, task_queue: str
+    client: Any, tmp_path: Path, key_path: Path, task_queue: str, by_monitor: bool
 ) -> None:
     """The chain took record 1 but the attempt never heard so; the retry does not see it yet and the chain
     refuses a second record 1 as a duplicate. The retry must carry forward what the chain holds, not a new
     reading of its own: then the records add up, to the last digit, to the scheduler's final accounting, and
     the chain accepts the accounting and settles. (Before: the retry carried its own, later reading, the next
-    records were differences from it, the sum fell short by the gap and the ledger refused the accounting.)"""
+    records were differences from it, the sum fell short by the gap and the ledger refused the accounting.)
+
+    On the cluster monitor's path the report is a local activity, retried within one workflow task whose clock
+    stands still: the next report is still due on the job's schedule, not as late as the retries took (it came
+    after the job had ended, and the job had one period record instead of two)."""
     adapter = MemoryAdapter(
         default=Script(
             [(0.0, JobState.QUEUED), (0.2, JobState.RUNNING), (6.0, JobState.COMPLETED)], exit_code=0
@@ -495,7 +500,7 @@ async def test_a_usage_retry_after_a_lost_answer_carries_the_stored_record(
         chains.append(LostAnswerChain(ledger))
         return chains[-1]
 
-    config = make_config(tmp_path)
+    config = make_config(tmp_path, hpc={"job_service": {"cluster_monitor": by_monitor}})
     async with running_pipeline(client, config, key_path, adapter, task_queue, chain=lossy) as pipe:
         job_id = pipe.submit()
         results = await pipe.run_until_done([job_id], timeout=90)
@@ -780,14 +785,18 @@ class StallingChain:
         return result
 
 
+@pytest.mark.parametrize("by_monitor", [False, True], ids=["watch activity", "cluster monitor"])
 async def test_a_report_sent_by_a_lost_watch_attempt_is_not_reused_by_the_final_record(
-    client: Any, tmp_path: Path, key_path: Path, task_queue: str
+    client: Any, tmp_path: Path, key_path: Path, task_queue: str, by_monitor: bool
 ) -> None:
     """Found by the load benchmark (13 of 600 jobs parked): a watch attempt sent period record 1 and lost its
     attempt to a heartbeat timeout before answering; the job ended meanwhile, so the retried watch answered
     "completed" without a record, and the final record reused sequence 1. The chain answered "duplicate", the
     stored record was not final, and the ledger refused the accounting. Now the retried watch names the record
-    its predecessor sent, and the final record is record 2."""
+    its predecessor sent, and the final record is record 2.
+
+    On the cluster monitor's path the period report is a local activity: the stall loses the workflow task that
+    ran it, and the task's retry runs the report again, which meets the stored record 1 and carries it."""
     adapter = MemoryAdapter(
         default=Script(
             [(0.0, JobState.QUEUED), (0.2, JobState.RUNNING), (5.0, JobState.COMPLETED)], exit_code=0
@@ -799,7 +808,7 @@ async def test_a_report_sent_by_a_lost_watch_attempt_is_not_reused_by_the_final_
         chains.append(StallingChain(ledger))
         return chains[-1]
 
-    config = make_config(tmp_path)
+    config = make_config(tmp_path, hpc={"job_service": {"cluster_monitor": by_monitor}})
     async with running_pipeline(client, config, key_path, adapter, task_queue, chain=stalling) as pipe:
         job_id = pipe.submit()
         results = await pipe.run_until_done([job_id], timeout=150)
@@ -808,13 +817,17 @@ async def test_a_report_sent_by_a_lost_watch_attempt_is_not_reused_by_the_final_
         final = await adapter.usage(scheduler_job_id)
         history = await pipe.handle(job_id).fetch_history()
     assert chains[0].stalled == [f"{config.hpc.cluster_id}/{job_id}/1"]
-    retried = [
-        e.activity_task_started_event_attributes.last_failure.message
-        for e in history.events
-        if e.HasField("activity_task_started_event_attributes")
-        and e.activity_task_started_event_attributes.attempt > 1
-    ]
-    assert any("Heartbeat timeout" in m for m in retried), f"the watch attempt was lost: {retried}"
+    if by_monitor:
+        lost = [e for e in history.events if e.HasField("workflow_task_timed_out_event_attributes")]
+        assert lost, "the workflow task that ran the report was lost"
+    else:
+        retried = [
+            e.activity_task_started_event_attributes.last_failure.message
+            for e in history.events
+            if e.HasField("activity_task_started_event_attributes")
+            and e.activity_task_started_event_attributes.attempt > 1
+        ]
+        assert any("Heartbeat timeout" in m for m in retried), f"the watch attempt was lost: {retried}"
     assert results[job_id].state == JobState.COMPLETED, results[job_id].message
     records = pipe.ledger.usage_records(job_id)
     assert [(r.sequence, r.is_final) for r in records] == [(1, False), (2, True)]
@@ -861,7 +874,8 @@ async def test_a_retried_watch_names_the_report_its_predecessor_sent(tmp_path: P
             retry.info = dataclasses.replace(retry.info, attempt=2, heartbeat_details=details)
             out = await retry.run(deps.activities.watch_job, watch)
             assert out.changed and out.status.state == JobState.COMPLETED
-            assert out.usage == sent, "the answer names the record already on chain"
+            named = sent.model_copy(update={"answered_at": None})  # (the activity's own answer has its time)
+            assert out.usage == named, "the answer names the record already on chain"
         assert ledger.usage_records(job.job_id) == [stored]
     finally:
         await deps.close()

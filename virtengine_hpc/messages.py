@@ -589,6 +589,12 @@ class UsageOutput(Model):
     period_end: datetime
     charged: str | None = None
     refunded: str | None = None
+    answered_at: datetime | None = Field(
+        None,
+        description="When the report_usage activity answered, on the worker's clock: a job workflow's clock stands "
+        "still while a local activity runs (retries included), so the workflow times its next step from this. "
+        "None from releases before it.",
+    )
 
 
 TransitionInput.model_rebuild()

@@ -143,6 +143,8 @@ class HPCJobWorkflow:
         self._report_tried_at: datetime | None = None
         self._report_failed_at: datetime | None = None
         self._contact_at: datetime | None = None
+        # (workflow.now() when a period report's local activity answered, the worker's clock at that moment)
+        self._answered: tuple[datetime, datetime] | None = None
         self.recovered = False  # a recovery run has found where the job stands
         if inp.recovery is not None and inp.carried is None:
             rec = inp.recovery
@@ -582,7 +584,7 @@ class HPCJobWorkflow:
             await self._send_cancel(self.c.cancel_reason)
             if self.c.state.final:
                 return
-        now = workflow.now()
+        now = self._now()
         deadline = self._deadline()
         if deadline is not None and now >= deadline:
             await self._enforce_deadline()
@@ -633,7 +635,7 @@ class HPCJobWorkflow:
         """Wait for the monitor's news or for this job's next timer; apply what it brought."""
         if not self.c.monitored:
             await self._register_with_monitor()  # a run that continued an older one, or a recovery run
-            now = workflow.now()
+            now = self._now()
         due = self._report_due()
         if due is not None and now >= due:
             self._report_tried_at = now
@@ -660,6 +662,19 @@ class HPCJobWorkflow:
             # change it has seen and this job missed (a monitor that ended or was reset starts again).
             await self._register_with_monitor()
 
+    def _now(self) -> datetime:
+        """``workflow.now()``, or later when a local activity ran in this workflow task.
+
+        The workflow's clock stands still for the whole task, and a period report (a local activity, retries
+        included) can take longer than the time to the next step: timed from the task's start, every later
+        report would be late by as long (a lost answer retried for 2 s pushed the next report past the job's end).
+        The activity says when it answered; histories recorded before it say nothing, and replay as before.
+        """
+        now = workflow.now()
+        if self._answered is not None and self._answered[0] == now:
+            return max(now, self._answered[1])
+        return now
+
     def _cancel_retry_at(self) -> datetime | None:
         if self.c.cancel_requested and not self.c.cancel_sent:
             return self.c.cancel_retry_at
@@ -668,7 +683,7 @@ class HPCJobWorkflow:
     async def _sleep_until(self, wake_at: datetime) -> None:
         """Until ``wake_at``, news from the monitor or a cancel: one timer lives on across the monitor's signals,
         so news costs no timer events."""
-        now = workflow.now()
+        now = self._now()
         if self._timer is None or self._timer.done() or self._timer_at is None or self._timer_at > wake_at:
             if self._timer is not None and not self._timer.done():
                 self._timer.cancel()
@@ -910,6 +925,8 @@ class HPCJobWorkflow:
                     retry_policy=self._retry(unlimited=unlimited),
                     result_type=UsageOutput,
                 )
+                if out.answered_at is not None:
+                    self._answered = (workflow.now(), out.answered_at)
             else:
                 out = await workflow.execute_activity(
                     "report_usage",
