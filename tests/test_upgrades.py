@@ -35,7 +35,13 @@ from tests.memory_adapter import MemoryAdapter, Script
 from tests.production_support import cluster_config, provider_ledger, submit, wait_result
 from tests.versioning_support import build_workers
 from virtengine_hpc.config import Config, Secrets, default_build_id, load_config, package_version
-from virtengine_hpc.messages import JOB_WORKFLOW_NAME, JobRef, JobResult, JobWorkflowInput
+from virtengine_hpc.messages import (
+    JOB_WORKFLOW_NAME,
+    JobRef,
+    JobResult,
+    JobWorkflowInput,
+    monitor_workflow_id,
+)
 from virtengine_hpc.models import JobSpec, spec_digest
 from virtengine_hpc.states import JobState
 from workers.poller import ChainPoller
@@ -103,9 +109,14 @@ async def set_current_version(client: Client, deployment: str, build_id: str) ->
             await asyncio.sleep(0.5)
 
 
-async def open_workflows_on(client: Client, deployment: str, build_id: str) -> int:
-    """``temporal workflow count`` of the running workflows pinned to a build: 0 once it has drained."""
+async def open_workflows_on(
+    client: Client, deployment: str, build_id: str, workflow_type: str | None = None
+) -> int:
+    """``temporal workflow count`` of the running workflows pinned to a build (of one type, if given): 0 once
+    it has drained."""
     query = f"TemporalWorkerDeploymentVersion='{deployment}:{build_id}' AND ExecutionStatus='Running'"
+    if workflow_type is not None:
+        query += f" AND WorkflowType='{workflow_type}'"
     out = await temporal_cli(client, "workflow", "count", "--query", query, "--output", "json")
     return int(json.loads(out).get("count", 0))  # the JSON leaves a zero count out
 
@@ -113,9 +124,11 @@ async def open_workflows_on(client: Client, deployment: str, build_id: str) -> i
 async def wait_for_open_workflows(
     client: Client, deployment: str, build_id: str, expected: int, timeout: float = 30
 ) -> None:
-    """Until the count of running workflows pinned to a build is ``expected`` (visibility lags a little)."""
+    """Until ``expected`` jobs run pinned to a build, or, for 0, until no workflow at all does (the build has
+    drained: its cluster monitor has left it too). Visibility lags a little."""
+    workflow_type = JOB_WORKFLOW_NAME if expected else None
     deadline = time.monotonic() + timeout
-    while (found := await open_workflows_on(client, deployment, build_id)) != expected:
+    while (found := await open_workflows_on(client, deployment, build_id, workflow_type)) != expected:
         if time.monotonic() > deadline:
             raise AssertionError(f"{found} workflows run on build {build_id}, not {expected}")
         await asyncio.sleep(0.5)
@@ -276,6 +289,41 @@ async def test_old_and_new_builds_side_by_side_with_an_unpatched_change_break_no
 
     (later_run,) = await runs_of(client, later)
     assert builds_of(later_run) == {"new"} and paused_first(later_run) and failed_tasks(later_run) == []
+
+
+async def test_an_idle_cluster_monitor_leaves_the_old_build(
+    client: Client, tmp_path: Path, key_path: Path
+) -> None:
+    """The cluster's monitor is pinned to the build that started it, like a job. Once its last job has ended it
+    waits idle (a minute or more) for the next one; when another build becomes current meanwhile it ends within
+    about ten seconds, so the old build drains, and the next job starts a monitor on the new build. (Before, the
+    idle monitor kept the old build running for its whole idle time.)"""
+    deployment = f"ve-{uuid.uuid4().hex[:8]}"
+    config = versioned_config(tmp_path, deployment, hpc={"job_service": {"cluster_monitor": True}})
+    ledger = provider_ledger(config, key_path)
+    adapter = MemoryAdapter()
+    async with (
+        build_workers(client, config, key_path, ledger, adapter, HPCJobWorkflow, "old"),
+        build_workers(client, config, key_path, ledger, adapter, HPCJobWorkflow, "new"),
+    ):
+        await set_current_version(client, deployment, "old")
+        first = await start_job(client, config, ledger, report_interval=3600)
+        adapter.scripts[first] = Script([(0, Q), (0.3, R), (1.0, C)], exit_code=0)
+        assert (await wait_result(client, first, timeout=60)).state == C
+        assert await open_workflows_on(client, deployment, "old") == 1, (
+            "the monitor waits idle on the old build"
+        )
+
+        await set_current_version(client, deployment, "new")
+        await wait_for_open_workflows(client, deployment, "old", 0, timeout=25)
+
+        later = await start_job(client, config, ledger, report_interval=3600)
+        adapter.scripts[later] = Script([(0, Q), (0.3, R), (1.0, C)], exit_code=0)
+        assert (await wait_result(client, later, timeout=60)).state == C
+        monitor = await client.get_workflow_handle(monitor_workflow_id(task_queue(config))).fetch_history()
+        assert builds_of(monitor) == {"new"}, "the next job's monitor runs on the new build"
+    check_usage(ledger, first)
+    check_usage(ledger, later)
 
 
 async def test_the_same_change_rolled_out_unversioned_breaks_the_running_job(

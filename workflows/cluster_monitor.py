@@ -28,6 +28,11 @@ with workflow.unsafe.imports_passed_through():
 
 IDLE_ROUNDS = 20
 """Poll intervals without any watched job before the monitor ends (at least a minute)."""
+IDLE_LOOK_EVERY = timedelta(seconds=10)
+"""How often an idle monitor looks whether another build became current (each poll interval, when longer)."""
+PATCH_IDLE_MOVES = "monitor-leaves-old-build-when-idle"
+"""An idle monitor ends as soon as it sees another build of the workers current (the next job's registration
+starts it on that build): it waited out its whole idle time pinned to the old build, which never drained."""
 _POLL_RETRY = RetryPolicy(initial_interval=timedelta(seconds=1), maximum_interval=timedelta(seconds=30))
 
 
@@ -61,7 +66,7 @@ class ClusterMonitorWorkflow:
         idle = max(timedelta(seconds=60), IDLE_ROUNDS * interval)
         rounds = inp.rounds
         while True:
-            if not self.watched and not await self._woken_within(idle):
+            if not self.watched and not await self._woken_within(idle, interval):
                 await workflow.wait_condition(workflow.all_handlers_finished)
                 return rounds
             out: PollOutput = await workflow.execute_activity(
@@ -89,11 +94,32 @@ class ClusterMonitorWorkflow:
                 )
             await workflow.sleep(interval)
 
-    async def _woken_within(self, idle: timedelta) -> bool:
-        try:
-            await workflow.wait_condition(lambda: bool(self.watched), timeout=idle)
-        except TimeoutError:
-            return False
+    async def _woken_within(self, idle: timedelta, interval: timedelta) -> bool:
+        """Whether a job registers within ``idle``: False ends the monitor, as does another build becoming
+        current meanwhile (``PATCH_IDLE_MOVES``), so that an idle monitor never keeps the old build running."""
+        if not workflow.patched(PATCH_IDLE_MOVES):
+            try:
+                await workflow.wait_condition(lambda: bool(self.watched), timeout=idle)
+            except TimeoutError:
+                return False
+            return True
+        until = workflow.now() + idle
+        look = max(IDLE_LOOK_EVERY, interval)
+        while not self.watched:
+            if workflow.info().is_target_worker_deployment_version_changed():
+                return False
+            left = until - workflow.now()
+            if left <= timedelta(0):
+                return False
+            try:
+                await workflow.wait_condition(
+                    lambda: (
+                        bool(self.watched) or workflow.info().is_target_worker_deployment_version_changed()
+                    ),
+                    timeout=min(look, left),
+                )
+            except TimeoutError:
+                continue
         return True
 
     def _should_continue_as_new(self) -> bool:
