@@ -24,7 +24,7 @@ from temporalio.service import RPCError
 
 from activities.attempts import Attempt, heartbeating
 from activities.audit import AuditLog
-from activities.chain.client import AccountingReport, ChainClient, StatusReport
+from activities.chain.client import AccountingReport, ChainClient, ChainJob, StatusReport
 from activities.monitor import MonitorActivities, register
 from activities.routing import RoutingEnforcer
 from activities.schedulers.base import (
@@ -178,7 +178,9 @@ class JobActivities:
         then dropped: ``submit_job`` renders it again where it submits, so no result carries it)."""
         try:
             adapter = self.adapter(request.cluster_id)
-            job = await self.job_spec(request.job)
+            on_chain, job = await self._chain_job(request.job)
+            if on_chain.state.final:
+                return self._already_final(on_chain)
             routed = await self.enforcer.enforce(job, request.cluster_id)
             violations = routed.violations
             if not routed.accepted:
@@ -221,6 +223,22 @@ class JobActivities:
             partition=partition,
         )
 
+    @staticmethod
+    def _already_final(on_chain: ChainJob) -> RouteOutcome:
+        """The job has ended on chain (a reset run of a closed workflow routes it again): nothing may run again."""
+        log.warning(
+            "job %s is already %s on chain: nothing to route or submit (a workflow reset after the job ended?)",
+            on_chain.job_id,
+            on_chain.state.value,
+            extra={"job_id": on_chain.job_id},
+        )
+        return RouteOutcome(
+            accepted=False,
+            code="already_final",
+            message=f"the job is already {on_chain.state.value} on chain",
+            chain_state=on_chain.state,
+        )
+
     async def _offering(self, job: JobSpec, cluster: Cluster | None, routed_to: str) -> PricedQueue:
         """The job's offering, if it is one of this provider's and prices the cluster the job was routed to: a
         tenant must not run on the GPU cluster at a CPU cluster's prices, or at another provider's."""
@@ -248,6 +266,10 @@ class JobActivities:
         Workflow and activity payloads carry only the reference (``JobRef``); the activities that need the
         tenant's program read it here, so its size never reaches Temporal.
         """
+        return (await self._chain_job(ref))[1]
+
+    async def _chain_job(self, ref: JobRef) -> tuple[ChainJob, JobSpec]:
+        """The job as the chain holds it (its state too), and its spec checked as ``job_spec`` says."""
         found = await self.chain.get_job(ref.job_id)
         if found is None:
             raise ValidationError(f"job {ref.job_id} is not on chain")
@@ -263,7 +285,7 @@ class JobActivities:
             raise ValidationError(f"job {ref.job_id} has an invalid spec: {exc.errors()[0]['msg']}") from None
         if spec.job_id != ref.job_id:
             raise ValidationError(f"the chain returned job {spec.job_id} for {ref.job_id}")
-        return spec
+        return found, spec
 
     async def _resolve(
         self, job: JobSpec, adapter: SchedulerAdapter, *, render: bool = False
@@ -300,9 +322,9 @@ class JobActivities:
                         body=resolved.text,
                         partition=request.partition,
                         exclusive=resolved.exclusive,
-                        first_attempt=attempt.first,
+                        first_attempt=attempt.first and not request.look_first,
                         known_job_id=known,
-                        alone_until=attempt.alone_until,
+                        alone_until=None if request.look_first else attempt.alone_until,
                     ),
                     on_submitted=attempt.submitted,
                 ),

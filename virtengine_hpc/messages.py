@@ -303,13 +303,19 @@ class Violation(Model):
 
 class RouteOutcome(Model):
     accepted: bool
-    code: str = Field("", description="Why it was refused: validation_failed or routing_rejected.")
+    code: str = Field(
+        "", description="Why it was refused: validation_failed, routing_rejected or already_final."
+    )
     message: str = ""
     cluster_id: str = ""
     decision_id: str | None = None
     is_fallback: bool = False
     violations: list[Violation] = Field(default_factory=list)
     partition: str | None = None
+    chain_state: JobState | None = Field(
+        None,
+        description="already_final: the state the job has ended in on chain (the workflow ends with it).",
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -326,6 +332,11 @@ class SubmitInput(Model):
     cluster_id: str
     partition: str | None = None
     max_attempts: int = 4
+    look_first: bool = Field(
+        False,
+        description="An earlier run of the workflow may have submitted the job (this run was made by a reset): "
+        "even a first attempt looks the job up and adopts it, and checks for duplicates after a submission.",
+    )
 
     @model_validator(mode="before")
     @classmethod

@@ -97,6 +97,13 @@ PATCH_FAILED_REPORT_KEEPS_PERIOD = "failed-report-keeps-period"
 """A period report that failed for good leaves the period where the last record ended and waits an interval before
 the next try: it moved the next period's start to the moment of the failure, so the next record began after a gap
 it billed nonetheless (``usage verify`` failed the job: a record not starting where the one before ended)."""
+PATCH_RESET_RUN_LOOKS_FIRST = "reset-run-submit-looks-first"
+"""A run made by a reset (the Web UI's Reset, ``temporal workflow reset``) to before its submit finished submits
+as a retry does, looking the job up first: the run it replaced may have submitted it, and a first attempt's
+submission without a lookup started the tenant's job a second time."""
+PATCH_ENDED_ON_CHAIN = "route-ended-on-chain"
+"""A job that routing finds already ended on chain (a reset run of a closed workflow) ends its workflow with the
+chain's state and does nothing else: it was submitted again and its reports, refused, parked it for ever."""
 CANCEL_BACKOFF_CAP = timedelta(minutes=5)
 _MIN_TIMER = timedelta(milliseconds=100)
 _DONE = object()
@@ -460,6 +467,8 @@ class HPCJobWorkflow:
             result_type=RouteOutcome,
         )
         if not outcome.accepted:
+            if self._ended_on_chain(outcome):
+                return
             await self._finish(JobState.FAILED, f"{outcome.code}: {outcome.message}")
             return
         if outcome.cluster_id != self.c.cluster_id:
@@ -479,6 +488,7 @@ class HPCJobWorkflow:
                     cluster_id=self.c.cluster_id,
                     partition=outcome.partition,
                     max_attempts=self.settings.retry.max_retries + 1,
+                    look_first=self._replaces_a_run(),
                 ),
                 task_queue=self.c.task_queue,
                 start_to_close_timeout=timedelta(seconds=300),
@@ -503,6 +513,23 @@ class HPCJobWorkflow:
             submitted = recovered
         self._adopt(submitted.scheduler_job_id)
         await self._transition(JobState.QUEUED, LifecycleEvent.SUBMITTED, "accepted by the scheduler")
+
+    def _ended_on_chain(self, outcome: RouteOutcome) -> bool:
+        """The job has already ended on chain: the workflow ends with the chain's state, reporting nothing."""
+        final = outcome.chain_state
+        if final is None or not final.final or not workflow.patched(PATCH_ENDED_ON_CHAIN):
+            return False
+        workflow.logger.warning("job %s: %s; ending the workflow", self.job.job_id, outcome.message)
+        self.c = self.c.model_copy(update={"state": final, "status_message": outcome.message})
+        workflow.upsert_search_attributes([SA_STATE.value_set(final.value)])
+        return True
+
+    @staticmethod
+    def _replaces_a_run() -> bool:
+        """This run was made by a reset: its id is not the one its history started under (a run started or
+        continued as new has its own)."""
+        info = workflow.info()
+        return info.run_id != info.original_execution_run_id and workflow.patched(PATCH_RESET_RUN_LOOKS_FIRST)
 
     def _adopt(self, scheduler_job_id: str) -> None:
         self.c = self.c.model_copy(
