@@ -219,7 +219,8 @@ class TenantAccounts:
         for other in (fixed, pooled):
             if other is not None and other != tenant:
                 raise TenantAccountError(
-                    _shared_message(account, fixed or tenant, pooled or tenant, self._path()),
+                    f"tenant {tenant}'s job is refused: "
+                    + _shared_message(account, fixed or tenant, pooled or tenant, self._path()),
                     code="tenant_account_refused",
                 )
 

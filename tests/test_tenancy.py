@@ -276,6 +276,7 @@ def test_an_account_moved_from_the_pool_to_a_fixed_tenant_is_refused_while_its_p
         with pytest.raises(TenantAccountError, match="two tenants would share one account") as caught:
             running.account_for(tenant, submit_account="hpcuser")
         assert caught.value.code == "tenant_account_refused"
+        assert str(caught.value).startswith(f"tenant {tenant}'s job is refused")
 
 
 def test_an_assigned_account_that_left_the_pool_stays_its_tenants_and_is_still_looked_up(

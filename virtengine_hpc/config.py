@@ -564,12 +564,14 @@ class TenantsConfig(Section):
         default_factory=list,
         description="Accounts handed out to tenants that accounts does not name, one per tenant, in this order, "
         "on the tenant's first job; the assignment is kept for good in assignments_path, so it survives "
-        "restarts and is the same on every worker that shares the file.",
+        "restarts and is the same on every worker that shares the file. A pool account the cluster shows jobs "
+        "of that no assignment explains is never handed out (SLURM, MOAB).",
     )
     assignments_path: Path | None = Field(
         None,
         description="SQLite file of the pool's assignments; default <state_store_path>/tenant-accounts.db. "
-        "Workers on several hosts must share it (storage with working locks) or use accounts alone.",
+        "Workers and pollers on several hosts must share it (storage with working locks) or use accounts alone; "
+        "back it up with the ledger.",
     )
 
     @field_validator("accounts")
