@@ -40,6 +40,7 @@ from virtengine_hpc.messages import (
 )
 from virtengine_hpc.models import JobSpec
 from virtengine_hpc.states import JobState
+from virtengine_hpc.usage import sum_metrics
 from workers.wiring import job_settings
 from workflows.hpc_job import initial_search_attributes
 
@@ -427,26 +428,32 @@ async def test_retry_of_a_job_that_is_not_parked_is_refused(faulty: Pipeline) ->
 # ---- walltime counts running time only; queue waits -------------------------------------------------------------
 
 
-async def test_walltime_excludes_suspended_and_requeued_time(
+async def test_walltime_counts_every_run_but_not_suspended_or_requeued_waits(
     client: Client, tmp_path: Path, key_path: Path, task_queue: str
 ) -> None:
     config = new_config(tmp_path, job_service={"walltime_grace": "1s", "job_poll_interval": "300ms"})
     scheduler = MemoryAdapter()
     async with running_pipeline(client, config, key_path, scheduler, task_queue) as p:
-        # walltime 60 s: each job is on the cluster far longer than 61 s, but runs less than that.
+        # walltime 60 s: each job is on the cluster far longer than 61 s, but runs less than that in all.
         suspended = p.submit(walltime_seconds=60)
         requeued = p.submit(walltime_seconds=60)
         unseen = p.submit(
             walltime_seconds=60
         )  # requeued and running again within 10 ms: no poll sees it queued
         overrun = p.submit(walltime_seconds=60)
+        # A job that requeues itself before each run reaches the limit the scheduler gives every run.
+        self_requeuing = p.submit(walltime_seconds=60)
         scheduler.scripts = {
             suspended: Script([(0, Q), (0.2, R), (20, S), (75, R), (95, C)], exit_code=0),
-            requeued: Script([(0, Q), (0.2, R), (40, Q), (42, R), (95, C)], exit_code=0),
-            unseen: Script([(0, Q), (0.2, R), (40, Q), (40.01, R), (95, C)], exit_code=0),
+            requeued: Script([(0, Q), (0.2, R), (30, Q), (42, R), (70, C)], exit_code=0),
+            unseen: Script([(0, Q), (0.2, R), (30, Q), (30.01, R), (58, C)], exit_code=0),
             overrun: Script([(0, Q), (0.2, R), (600, C)], exit_code=0),
+            self_requeuing: Script(
+                [(0, Q), (0.2, R), (40, Q), (41, R), (81, Q), (82, R), (122, Q), (123, R), (600, C)],
+                exit_code=0,
+            ),
         }
-        results = await p.run_until_done([suspended, requeued, unseen, overrun], timeout=180)
+        results = await p.run_until_done([suspended, requeued, unseen, overrun, self_requeuing], timeout=180)
         assert results[suspended].state == C, results[suspended].message
         assert results[requeued].state == C, results[requeued].message
         assert results[unseen].state == C, results[unseen].message
@@ -455,6 +462,12 @@ async def test_walltime_excludes_suspended_and_requeued_time(
         )
         assert results[overrun].state == TIMEOUT and "walltime" in results[overrun].message
         assert S in p.states_of(suspended)
+        # Stopped in its second run, when its runs add up to walltime + grace, and billed for both runs.
+        assert results[self_requeuing].state == TIMEOUT, results[self_requeuing].message
+        assert "walltime" in results[self_requeuing].message
+        assert p.states_of(self_requeuing).count(R) == 2, "never reached its third run"
+        billed = sum_metrics([r.metrics for r in p.ledger.usage_records(self_requeuing)]).wall_clock_seconds
+        assert 58 <= billed < 75, billed  # (the in-memory scheduler bills from the first start to the end)
 
 
 async def test_a_job_that_names_no_walltime_gets_job_timeout_default(

@@ -79,10 +79,12 @@ async def slurm_id(p: Pipeline, job_id: str) -> str:
 async def test_suspended_and_requeued_time_does_not_count_against_walltime(
     pipe: Pipeline, env: dict[str, Any]
 ) -> None:
-    # Walltime 60 s (+5 s slack). Each job is on the cluster well past 65 s but runs less than 60 s. (A job that
-    # really overruns is still stopped: tests/test_job_lifecycle.py; the local cluster has room for two jobs.)
+    # Walltime 60 s (+5 s slack): the suspended job is on the cluster well past 65 s but runs less than 60 s. (A
+    # job that really overruns is still stopped: tests/test_job_lifecycle.py; the local cluster has room for two.)
     suspended = submit(pipe, "#!/bin/bash\nsleep 45\necho done\n", walltime_seconds=60)
-    requeued = submit(pipe, "#!/bin/bash\nsleep 40\necho done\n", walltime_seconds=60)
+    # The requeued job runs about 35 s, is requeued, and runs its 40 s again: 75 s of its walltime of 90 (both
+    # runs count; the wait in the queue between them does not).
+    requeued = submit(pipe, "#!/bin/bash\nsleep 40\necho done\n", walltime_seconds=90)
     for job_id in (suspended, requeued):
         await wait_chain_state(pipe, job_id, R)
     await asyncio.sleep(10)

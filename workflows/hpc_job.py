@@ -104,6 +104,10 @@ submission without a lookup started the tenant's job a second time."""
 PATCH_ENDED_ON_CHAIN = "route-ended-on-chain"
 """A job that routing finds already ended on chain (a reset run of a closed workflow) ends its workflow with the
 chain's state and does nothing else: it was submitted again and its reports, refused, parked it for ever."""
+PATCH_WALLTIME_ACROSS_REQUEUES = "walltime-across-requeues"
+"""A requeued job goes on with the walltime its earlier runs left: the count started again at every requeue, so a
+job that requeued itself (``scontrol requeue $SLURM_JOB_ID``) before its limit ran for ever, every run past its
+escrow unpaid (settlement never charges more than the escrow)."""
 CANCEL_BACKOFF_CAP = timedelta(minutes=5)
 _MIN_TIMER = timedelta(milliseconds=100)
 _DONE = object()
@@ -912,8 +916,9 @@ class HPCJobWorkflow:
             self._track_run_time(old, new, began)
 
     def _track_run_time(self, old: JobState, new: JobState, began: datetime | None) -> None:
-        """Keep the time the job has run, for its walltime: suspended time does not count, a requeue (the
-        scheduler starts the job over with a fresh time limit) starts the count again."""
+        """Keep the time the job has run, for its walltime: suspended time and the wait in the queue after a
+        requeue do not count; every run does (the scheduler gives a requeued run a fresh time limit, the tenant's
+        walltime and escrow cover all runs together)."""
         now = workflow.now()
         run_seconds, since, start_time = self.c.run_seconds, self.c.running_since, self.c.start_time
         if old == JobState.RUNNING and since is not None:
@@ -925,7 +930,9 @@ class HPCJobWorkflow:
         queued_since = self.c.queued_since
         if new == JobState.QUEUED:
             queued_since = now
-            run_seconds = 0.0
+            # (asked only on a requeue, where it decides something: a first queued state records no marker)
+            if run_seconds > 0 and not workflow.patched(PATCH_WALLTIME_ACROSS_REQUEUES):
+                run_seconds = 0.0
         self.c = self.c.model_copy(
             update={
                 "run_seconds": run_seconds,
