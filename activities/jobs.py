@@ -35,10 +35,18 @@ from activities.schedulers.base import (
     SubmitRequest,
     SubmitResult,
 )
+from activities.schedulers.batch.workdir import UNSAFE as WORK_DIR_UNSAFE
 from activities.schedulers.batcher import StatusBatcher
 from activities.usage_batcher import UsageBatcher
 from virtengine_hpc.config import Config
-from virtengine_hpc.errors import ChainError, HPCError, JobNotFound, SchedulerError, ValidationError
+from virtengine_hpc.errors import (
+    ChainError,
+    HPCError,
+    JobNotFound,
+    SchedulerError,
+    SecurityError,
+    ValidationError,
+)
 from virtengine_hpc.messages import (
     CancelInput,
     FindInput,
@@ -79,6 +87,8 @@ _ASKED_CACHE = 20_000
 MAX_MESSAGE = 1024
 ADOPTION_REFUSED_SEVERITY = 4
 """A look-alike scheduler job is a tenant's attempt to be adopted in another's place (or to run unbilled)."""
+SECURITY_REFUSAL_SEVERITY = 4
+"""A submission refused because another account may have tampered with it (its directory, its answer)."""
 """A refusal's message is cut to this (the chain keeps as much): it may quote what the tenant sent."""
 
 
@@ -331,6 +341,7 @@ class JobActivities:
                 attempt,
             )
         except HPCError as exc:
+            self._audit_security(request, exc)
             last = not exc.transient or (request.max_attempts and attempt.number >= request.max_attempts)
             if last:
                 event = "job_max_retries_exceeded" if exc.transient else "job_submission_failed"
@@ -345,6 +356,20 @@ class JobActivities:
             raise to_application_error(exc) from None
         self._audit_submission(request, result, attempt, heartbeated=known is not None)
         return SubmitOutput(scheduler_job_id=result.scheduler_job_id, adopted=result.adopted)
+
+    def _audit_security(self, request: SubmitInput, exc: HPCError) -> None:
+        """A submission stopped by what looks like another account's doing (a link in place of the tenant's job
+        directory, a scheduler answer its login shell altered) is also a security event, for the operator."""
+        if isinstance(exc, SecurityError) or exc.code == WORK_DIR_UNSAFE:
+            self.audit.record(
+                "security_violation",
+                job_id=request.job.job_id,
+                cluster_id=request.cluster_id,
+                success=False,
+                severity=SECURITY_REFUSAL_SEVERITY,
+                error_msg=str(exc),
+                details={"code": exc.code, "step": "submit_job"},
+            )
 
     def _audit_submission(
         self, request: SubmitInput, result: SubmitResult, attempt: Attempt, *, heartbeated: bool

@@ -2,9 +2,10 @@
 # Bring up a one-node SLURM 22.05 cluster on loopback, with all state in one folder:
 #   munged, MariaDB (own datadir) + slurmdbd, slurmctld, slurmd,
 #   slurmrestd (JWT, user slurmrest, 127.0.0.1:6820), sshd (127.0.0.1:2222, user hpcuser, key auth),
-#   and a pool of tenant accounts (vehpc-t1..vehpc-t4: Unix users with a 0700 job directory each, an SSH key
-#   each, Slurm associations), as the provider gives each tenant its own account. hpcuser, the provider's
-#   own submit account, is a Slurm operator (it cancels and reads every tenant's jobs) and runs no tenant job.
+#   and a pool of tenant accounts (vehpc-t1..vehpc-t4: Unix users with a 0700 job directory each in the jobs
+#   directory, which is root's and 0755, an SSH key each, Slurm associations), as the provider gives each tenant
+#   its own account. hpcuser, the provider's own submit account, is a Slurm operator (it cancels and reads every
+#   tenant's jobs) and runs no tenant job.
 #
 # State folder: ${VEHPC_DEV_DIR:-<repo>/.dev}/slurm. Config stays out of /etc (SLURM_CONF).
 # Idempotent: daemons that already run (per their pid files) are left alone, stale pid files
@@ -188,7 +189,9 @@ fi
 if [[ $(getent shadow "$JOB_USER" | cut -d: -f2) == !* ]]; then
   usermod -p '*' "$JOB_USER"
 fi
-install -d -m 1777 -o "$JOB_USER" -g "$JOB_USER" "$JOBS"
+# the tenants' job directories' parent is root's and no tenant may write it: a tenant able to add or replace an
+# entry there could link another tenant's directory to one it reads (an earlier layout had it 1777)
+install -d -m 0755 -o root -g root "$JOBS"
 # tenant accounts: a login shell (the ssh transport runs sbatch as them), a private home and job directory
 for tenant in "${TENANTS[@]}"; do
   if ! id -u "$tenant" >/dev/null 2>&1; then
@@ -198,7 +201,14 @@ for tenant in "${TENANTS[@]}"; do
     usermod -p '*' "$tenant"
   fi
   chmod 0700 "$(getent passwd "$tenant" | cut -d: -f6)"
-  install -d -m 0700 -o "$tenant" -g "$tenant" "$JOBS/$tenant"
+  # never chown through a link or hand over a directory someone else made under that name: set it aside
+  dir=$JOBS/$tenant
+  if [[ -L $dir || (-e $dir && ! -d $dir) || (-d $dir && $(stat -c %U "$dir") != "$tenant") ]]; then
+    install -d -m 0700 "$STATE/quarantine"
+    log "WARNING: $dir was not $tenant's own directory; moved to $STATE/quarantine"
+    mv "$dir" "$STATE/quarantine/$tenant.$(date +%s%N)"
+  fi
+  install -d -m 0700 -o "$tenant" -g "$tenant" "$dir"
 done
 
 secret_file() { # path owner bytes: create a random secret once

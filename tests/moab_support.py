@@ -133,9 +133,11 @@ def moab_cluster(walltime_cap: float = 3.0, max_nodes: int = 4) -> Iterator[Moab
     home = Path(tempfile.mkdtemp(prefix="vehpc-moab-"))
     home.chmod(0o755)
     user = SIM_USER if ensure_user(SIM_USER) else pwd.getpwuid(os.geteuid()).pw_name
+    # The provider's (the simulator's account), 0755: no tenant may plant entries beside the tenants' directories.
     work = home / "work"
-    work.mkdir()
-    work.chmod(0o1777)
+    work.mkdir(mode=0o755)
+    sim = pwd.getpwnam(user)
+    os.chown(work, sim.pw_uid, sim.pw_gid)
     moab = MoabSim(home / "moab", Options(walltime_cap=walltime_cap, max_nodes=max_nodes))
     moab.start()
     sshd = SshServer.create(home / "ssh")
@@ -146,7 +148,7 @@ def moab_cluster(walltime_cap: float = 3.0, max_nodes: int = 4) -> Iterator[Moab
     for account in tenants:
         shutil.copyfile(sshd.client_key, keys / account)
         (keys / account).chmod(0o600)
-        # What the operator makes for MWS (which cannot create it); over SSH the adapter makes it itself.
+        # What the operator makes (the adapter checks it over SSH before every msub; MWS cannot).
         entry = pwd.getpwnam(account)
         (work / account).mkdir(mode=0o700)
         os.chown(work / account, entry.pw_uid, entry.pw_gid)

@@ -544,3 +544,101 @@ async def test_a_pool_account_moab_lists_jobs_of_is_never_handed_to_a_new_tenant
     finally:
         await worker_a.close()
         await worker_b.close()
+
+
+class AlteredAnswer:
+    """A tenant's login shell that lets ``msub`` submit but prints another answer after it (its jobs can write
+    its startup files: an exit trap there prints what it likes after every command)."""
+
+    def __init__(self, runner: Any, answer: str) -> None:
+        self.runner, self.answer = runner, answer
+        self.description = runner.description
+
+    async def run(self, argv: Any, *, stdin: str | None = None, timeout: float) -> Any:
+        result = await self.runner.run(argv, stdin=stdin, timeout=timeout)
+        if Path(argv[0]).name == "msub" and result.exit_code == 0:
+            return type(result)(
+                argv=result.argv,
+                exit_code=0,
+                stdout=result.stdout + f"\n{self.answer}\n",
+                stderr=result.stderr,
+            )
+        return result
+
+    async def close(self) -> None:
+        await self.runner.close()
+
+
+async def test_over_ssh_an_msub_answer_the_tenants_shell_altered_is_never_adopted(
+    cluster: ms.MoabCluster, tmp_module: Path
+) -> None:
+    """msub runs in the tenant account's own login. Its answer is checked with the provider's own checkjob: an id
+    that names another tenant's job (to have it watched, billed or cancelled as this one) or no job at all is a
+    SecurityError, and the job it named is left alone."""
+    if len(cluster.tenant_users) < 2:
+        pytest.fail("the tenant accounts of the MOAB simulator could not be made (run the tests as root)")
+    adapter = cluster.adapter(tmp_module, "ssh", hold=True)
+    try:
+        decoy_wf = ms.workflow_id("decoy")
+        decoy = await adapter.submit(
+            SubmitRequest(workflow_id=decoy_wf, job=ms.spec(decoy_wf, "true\n", tenant=ms.BOB), body="true\n")
+        )
+        tenant = adapter.backend.executors.get(cluster.tenant_users[0])  # type: ignore[attr-defined]
+        real = tenant.runner
+        for answer, seen in (
+            (decoy.scheduler_job_id, "of " + cluster.tenant_users[1]),
+            ("Moab.999999", "unknown"),
+        ):
+            tenant.runner = AlteredAnswer(real, answer)
+            wf = ms.workflow_id("lying-shell")
+            with pytest.raises(SecurityError, match="altered the answer") as caught:
+                await adapter.submit(
+                    SubmitRequest(
+                        workflow_id=wf, job=ms.spec(wf, "true\n"), body="true\n", first_attempt=True
+                    )
+                )
+            assert f"answered job {answer}, which is " in str(caught.value) and seen in str(caught.value)
+            assert len(_jobs_named(cluster, wf)) == 1, "the real job exists (the sweep cancels it), unadopted"
+        tenant.runner = real
+        status = (await adapter.status_batch([decoy.scheduler_job_id]))[decoy.scheduler_job_id]
+        assert status.state == JobState.QUEUED, "the decoy untouched"
+        await adapter.cancel(decoy.scheduler_job_id)
+    finally:
+        await adapter.close()
+
+
+async def test_over_ssh_a_link_in_place_of_a_tenants_directory_is_refused_before_msub(
+    cluster: ms.MoabCluster, tmp_module: Path
+) -> None:
+    """The work dir is the provider's (no tenant writes it) and checked before every msub: a link left under
+    Bob's account name, pointing at a directory Alice reads, refuses Bob's job (msub never runs) and only his."""
+    from tests.local_support import reachable_dir, shared_dir
+
+    if len(cluster.tenant_users) < 2:
+        pytest.fail("the tenant accounts of the MOAB simulator could not be made (run the tests as root)")
+    alice, bob = cluster.tenant_users
+    parent = reachable_dir("moab-work") / "jobs"
+    parent.mkdir(mode=0o755)
+    (parent / alice).mkdir(mode=0o700)
+    os.chown(parent / alice, pwd.getpwnam(alice).pw_uid, pwd.getpwnam(alice).pw_gid)
+    spy = shared_dir("moab-spy")
+    (parent / bob).symlink_to(spy)
+    adapter = cluster.adapter(tmp_module, "ssh", work_dir=str(parent))
+    try:
+        wf = ms.workflow_id("linked")
+        with pytest.raises(SubmissionRejected) as caught:
+            await adapter.submit(
+                SubmitRequest(workflow_id=wf, job=ms.spec(wf, "id\n", tenant=ms.BOB), body="id\n")
+            )
+        assert caught.value.code == "work_dir_unsafe" and "is a symbolic link" in str(caught.value)
+        assert not [
+            r for r in cluster.moab.argv_log() if r["command"] == "msub" and any(wf in a for a in r["argv"])
+        ]
+        wf = ms.workflow_id("alice-goes-on")
+        outcome = await ms.run_job(adapter, wf, ms.spec(wf, "id -un\n"))
+        assert outcome.final.state == JobState.COMPLETED
+        job = cluster.moab.jobs[outcome.submitted.scheduler_job_id]
+        assert (parent / alice / f"{job.name}.o{job.number}").read_text().strip() == alice
+        assert list(spy.iterdir()) == []
+    finally:
+        await adapter.close()

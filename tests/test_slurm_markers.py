@@ -49,17 +49,17 @@ def _cleanup(env: dict[str, Any]) -> Any:
     yield
     sc.cancel_test_jobs(env, SCOPE)
     sc.remove_outputs(env, SCOPE)
-    for path in Path(env["jobs_dir"]).glob(f"lookalike-{sc.TEST_PREFIX}{SCOPE}*"):
+    for path in Path(env["jobs_dir"]).glob(f"*/lookalike-{sc.TEST_PREFIX}{SCOPE}*"):
         path.unlink(missing_ok=True)
 
 
 def lookalike_sbatch(env: dict[str, Any], victim: str, *, hold: bool = False, name: str | None = None) -> str:
-    """The shell lines a tenant's script runs to plant a look-alike for ``victim``'s job."""
-    out = Path(env["jobs_dir"]) / f"lookalike-{victim}-%j.out"
+    """The shell lines a tenant's script runs to plant a look-alike for ``victim``'s job (its output beside the
+    planting job's, in the tenant's own directory: no tenant may write the jobs directory itself)."""
     return (
         f"export SLURM_CONF={env['slurm_conf']}\n"
         f"sbatch --parsable {'--hold ' if hold else ''}--job-name={name or 'vehpc-' + victim} "
-        f"--comment='vehpc;wf={victim};storage_gb=0' --chdir={env['jobs_dir']} --output={out} "
+        f"--comment='vehpc;wf={victim};storage_gb=0' --output=lookalike-{victim}-%j.out "
         "--time=5 --mem=64M --wrap='echo the look-alike ran; sleep 20'\n"
     )
 

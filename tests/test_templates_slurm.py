@@ -27,6 +27,7 @@ from activities.schedulers.slurm import SlurmAdapter
 from tests import slurm_cluster as sc
 from tests.conftest import REPO, make_config
 from tests.pipeline_harness import TENANT, Pipeline, running_pipeline
+from virtengine_hpc.cli import main as cli_main
 from virtengine_hpc.config import Secrets
 from virtengine_hpc.states import JobState
 
@@ -161,7 +162,7 @@ async def test_templates_run_on_slurm(pipe: Pipeline) -> None:
     assert slurm_output(pipe, jobs["data"]).strip() == "total 55"
 
 
-async def test_interactive_session_on_slurm(pipe: Pipeline) -> None:
+async def test_interactive_session_on_slurm(pipe: Pipeline, capsys: pytest.CaptureFixture[str]) -> None:
     job_id = submit(
         pipe,
         template_id="interactive-session",
@@ -183,6 +184,12 @@ async def test_interactive_session_on_slurm(pipe: Pipeline) -> None:
         lambda: urllib.request.urlopen(f"http://127.0.0.1:{endpoint['port']}/", timeout=10)
     )
     assert reply.status == 200 and endpoint["job_id"] == job_id
+    # The provider's CLI finds it in the tenant account's directory, where the job wrote it.
+    config_file = pipe.config.hpc.job_service.state_store_path.parent / "session-config.json"
+    config_file.write_text(pipe.config.model_dump_json(exclude_defaults=True))
+    capsys.readouterr()
+    assert cli_main(["--config", str(config_file), "templates", "session", job_id]) == 0
+    assert json.loads(capsys.readouterr().out) == endpoint
     pipe.ledger.request_cancel(job_id)
     results = await pipe.run_until_done([job_id], timeout=120)
     assert results[job_id].state == JobState.CANCELLED

@@ -363,7 +363,15 @@ class SlurmConfig(Section):
         "the worker's account run sbatch as each tenant account without a password (docs/security.md).",
     )
     remote_env: dict[str, str] = Field(default_factory=dict, description="Environment for remote commands.")
-    work_dir: Path | None = Field(None, description="Default working directory of jobs on the cluster.")
+    work_dir: Path | None = Field(
+        None,
+        description="Default working directory of jobs on the cluster. With per-tenant accounts each job runs in "
+        "<work_dir>/<account>, which must be the account's own directory, mode 0700, not a symbolic link; "
+        "work_dir itself (given by its real path) must be owned by root or the provider's account and writable "
+        "by no one else. Checked before every submission over cli and ssh (a root cli worker makes a missing "
+        "<work_dir>/<account>; elsewhere the operator does); a job whose directory fails the check is refused "
+        "(code work_dir_unsafe). Required by the rest transport.",
+    )
     account: str | None = Field(
         None, pattern=r"^[A-Za-z0-9_.-]{1,64}$", description="Slurm account jobs are charged to (--account)."
     )
@@ -431,7 +439,11 @@ class MoabConfig(Section):
         default_factory=dict, description="Environment for the remote commands (e.g. MOABHOMEDIR)."
     )
     work_dir: Path | None = Field(
-        None, description="Default working directory of jobs on the cluster (msub -d)."
+        None,
+        description="Default working directory of jobs on the cluster (msub -d). With per-tenant accounts each "
+        "job runs in <work_dir>/<account>, which the operator makes the account's own, mode 0700; work_dir itself "
+        "is owned by root or ssh_user and writable by no one else. Over ssh both are checked before every msub "
+        "(code work_dir_unsafe when they are not so).",
     )
     account: str | None = Field(
         None, pattern=r"^[A-Za-z0-9_.-]{1,64}$", description="Account jobs are charged to (msub -A)."

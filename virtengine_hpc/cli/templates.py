@@ -350,7 +350,10 @@ def cmd_session(args: argparse.Namespace) -> int:
             adapter = LocalAdapter(config.hpc.local, config.local_state_dir, config.hpc.cluster_id)
             workdir = str(adapter.work_dir(job.scheduler_job_id))
         elif config.hpc.scheduler_type == "slurm" and config.hpc.slurm.work_dir:
-            workdir = str(config.hpc.slurm.work_dir)
+            from activities.tenant_accounts import TenantAccounts
+
+            account = TenantAccounts.from_config(config).assigned(job.tenant)  # None: no per-tenant accounts
+            workdir = str(config.hpc.slurm.work_dir / account if account else config.hpc.slurm.work_dir)
         else:
             raise ValidationError(f"job {args.job_id}: cannot tell its working directory")
     path = Path(workdir) / SESSION_FILE.replace("${VIRTENGINE_JOB_ID:-job}", job.job_id)

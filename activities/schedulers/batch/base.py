@@ -49,6 +49,7 @@ from activities.schedulers.base import (
     SubmitRequest,
     SubmitResult,
 )
+from activities.schedulers.batch.workdir import TenantDirs, remote_tenant_dirs
 from virtengine_hpc.config import RetryConfig
 from virtengine_hpc.errors import SchedulerError, SchedulerUnavailable
 from virtengine_hpc.markers import MarkerKey, bare_name, claimed_workflow, marked_name, marked_workflow
@@ -654,7 +655,8 @@ class AccountExecutors:
 
     ``factory(account)`` makes an executor whose commands run as that account (a local ``AccountRunner``, an SSH
     login with the account's own key); None: this transport cannot act as another account, and asking it to is a
-    ``TenantAccountError``.
+    ``TenantAccountError``. ``dirs`` checks tenants' job directories (default: with ``stat`` as the provider's
+    own account, wherever its commands run).
     """
 
     def __init__(
@@ -663,11 +665,13 @@ class AccountExecutors:
         *,
         user: str,
         factory: Callable[[str], CommandExecutor] | None = None,
+        dirs: TenantDirs | None = None,
     ) -> None:
         self.own = own
         self.user = user
         self._factory = factory
         self._accounts: dict[str, CommandExecutor] = {}
+        self.dirs = dirs or remote_tenant_dirs(self._stat, user)
 
     def get(self, account: str | None) -> CommandExecutor:
         if account is None or account == self.user:
@@ -681,12 +685,16 @@ class AccountExecutors:
             executor = self._accounts[account] = self._factory(account)
         return executor
 
-    async def prepare_workdir(self, path: str, account: str, rejected: type[SchedulerError]) -> None:
-        """``mkdir -p -m 0700`` then ``chmod 0700``, both as the account: the second fails unless the account
-        owns the directory, so a directory another account made under that name (squatting) is never used."""
-        executor = self.get(account)
-        for argv in (["mkdir", "-p", "-m", "0700", path], ["chmod", "0700", path]):
-            await executor.run(argv, what=f"{argv[0]} {path} as {account}", rejected=rejected)
+    async def tenant_dir(self, work_dir: str, account: str) -> str:
+        """``<work_dir>/<account>`` once it is the account's own private directory (``workdir.TenantDirs``)."""
+        return await self.dirs.ensure(work_dir, account)
+
+    async def _stat(self, argv: list[str]) -> tuple[int, str]:
+        """``stat`` as the provider's own account: exit 1 names a path that does not exist, an answer."""
+        result = await self.own.run(
+            argv, what="stat of the work directory", ok=lambda r: r.exit_code in (0, 1)
+        )
+        return result.exit_code, result.stdout
 
     async def close(self) -> None:
         for executor in self._accounts.values():

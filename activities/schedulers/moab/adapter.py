@@ -15,7 +15,8 @@ What it promises (``activities/schedulers/base.py``), and how:
   cancels it.
 * **One account per tenant** (``hpc.tenants``; never root, never the provider's own account): ``msub`` over an SSH
   login as the tenant's account with its own key (``tenant_key_dir``), or MWS with ``credentials.user`` set to it.
-  Output goes to ``<work_dir>/<account>``, made the account's own and 0700 over SSH (MWS: the operator makes it).
+  Output goes to ``<work_dir>/<account>``, which the operator makes the account's own and 0700; over SSH it is
+  checked before every submission (``batch.workdir``), under MWS it cannot be.
   Lookups by name search the tenants' accounts only.
 * **Usage** from ``checkjob --xml`` (MWS: the job), a raw reading that ``virtengine_hpc.metering`` meters: run
   time = ``AWDuration``, CPU time = ``StatPSUtl`` (processor seconds utilized), peak memory from ``UtilMem``, and
@@ -100,7 +101,6 @@ class MoabAdapter(BatchSchedulerAdapter):
         super().__init__(backoff=backoff, markers=markers)
         self.backend = backend
         self.tenants = tenants
-        self._workdirs: set[str] = set()
         self.cluster_id = cluster_id
         self.config = config
         self.hold_jobs = hold
@@ -202,11 +202,9 @@ class MoabAdapter(BatchSchedulerAdapter):
     async def _submit_new(self, request: SubmitRequest) -> str:
         account = await self._account(request.job.tenant)
         work_dir = str(self.config.work_dir) if self.config.work_dir else None
-        if work_dir is not None and self.tenants.isolated:
-            work_dir = f"{work_dir.rstrip('/')}/{account}"  # the tenant's own, 0700: no other tenant reads it
-            if work_dir not in self._workdirs and request.job.working_directory is None:
-                await self.backend.prepare_workdir(work_dir, account)
-                self._workdirs.add(work_dir)
+        if work_dir is not None and self.tenants.isolated and request.job.working_directory is None:
+            # the tenant's own, 0700, checked now (never from a cache): no other tenant reads it or links it away
+            work_dir = await self.backend.tenant_dir(work_dir, account)
         plan = plan_submission(
             request,
             name=self.job_name(Owner(request.workflow_id, account)),

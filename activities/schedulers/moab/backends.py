@@ -77,9 +77,10 @@ class MoabBackend(abc.ABC):
     async def submit(self, plan: SubmitPlan, account: str | None = None) -> str:
         """Submit as ``account`` (None: the provider's own account); the job id."""
 
-    async def prepare_workdir(self, path: str, account: str) -> None:
-        """Make sure ``path`` is ``account``'s own private directory (where this transport can create it)."""
-        return None
+    async def tenant_dir(self, work_dir: str, account: str) -> str:
+        """``<work_dir>/<account>``, checked to be the account's own private directory where this transport can
+        see the file system (``CliBackend``); MWS cannot: the operator makes it."""
+        return f"{work_dir.rstrip('/')}/{account}"
 
     @abc.abstractmethod
     async def by_ids(self, job_ids: Sequence[str]) -> list[p.MoabJob]:
@@ -175,12 +176,28 @@ class CliBackend(MoabBackend):
             account=account,
         )
         try:
-            return p.parse_msub(result.stdout)
+            job_id = p.parse_msub(result.stdout)
         except p.ParseError as exc:
             # msub said yes but printed no id: the job may exist; the next lookup finds it.
             raise SchedulerUnavailable(
                 f"msub: {exc}", command=list(result.argv), stdout=result.stdout
             ) from exc
+        if account is not None and account != self.user:
+            await self._check_answer(job_id, account, plan.job_name)
+        return job_id
+
+    async def _check_answer(self, job_id: str, account: str, name: str) -> None:
+        """The job ``msub`` named through the tenant's login (whose shell startup files its jobs can write) is
+        the one just submitted: MOAB, asked as the provider (``checkjob``), holds it under that account and
+        name. Otherwise the answer is not adopted: it may name another tenant's job, to have it watched, billed
+        or cancelled as this one."""
+        held = await self.job(job_id)
+        if held is None or held.user != account or held.name != name:
+            seen = "unknown to MOAB" if held is None else f"{held.name!r} of {held.user}"
+            raise SecurityError(
+                f"msub as {account} answered job {job_id}, which is {seen}, not this submission ({name}): "
+                "the account's login shell altered the answer"
+            )
 
     async def _showq(self, completed: bool) -> list[p.MoabJob]:
         argv = [self._cmd("showq"), *(["-c"] if completed else []), "--xml"]
@@ -208,8 +225,8 @@ class CliBackend(MoabBackend):
         live, done = await asyncio.gather(self._showq(False), self._showq(True))
         return [*live, *done]
 
-    async def prepare_workdir(self, path: str, account: str) -> None:
-        await self.executors.prepare_workdir(path, account, SubmissionRejected)
+    async def tenant_dir(self, work_dir: str, account: str) -> str:
+        return await self.executors.tenant_dir(work_dir, account)
 
     async def job(self, job_id: str) -> p.MoabJob | None:
         result = await self._run(

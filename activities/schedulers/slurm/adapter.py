@@ -18,9 +18,10 @@ What it promises (``activities/schedulers/base.py``), and how:
 * **One account per tenant.** A job runs as its tenant's account (``hpc.tenants``; never root, never the
   provider's own account): ``sbatch`` through ``setpriv``/``runuser``/``sudo`` (cli), an SSH login as that account
   with its own key (ssh), ``X-SLURM-USER-NAME`` with a SlurmUser token (rest); pyslurm cannot, and refuses to run
-  with isolation. Its output goes to ``<work_dir>/<account>``, made the account's own and 0700 (cli, ssh; for
-  rest the operator creates it). Lookups by name search the tenants' accounts only; status, usage and cancel
-  run as the provider's account, which must be a Slurm operator (docs/security.md).
+  with isolation. Its output goes to ``<work_dir>/<account>``, the account's own and 0700, checked before every
+  submission (cli, ssh: ``batch.workdir``; a root cli worker makes it, elsewhere the operator does). Lookups by
+  name search the tenants' accounts only; status, usage and cancel run as the provider's account, which must be a
+  Slurm operator (docs/security.md).
 * **Usage** is a raw reading, cumulative and monotone (``virtengine_hpc.metering`` meters it): run time = Slurm's
   elapsed; allocation = ``AllocTRES`` (nodes, CPUs, memory, GPUs); measured, summed over the steps (``sstat`` for
   running steps, ``sacct`` for ended ones): CPU time, peak RSS, disk bytes read and written (``fs/disk``),
@@ -42,6 +43,7 @@ from decimal import Decimal
 from pathlib import Path
 
 from activities.schedulers.base import Accounting, ListedJob, NativeStatus, SubmitRequest, register
+from activities.schedulers.batch.workdir import local_tenant_dirs
 from activities.schedulers.slurm import parsers as p
 from activities.schedulers.slurm.backends import (
     TRANSIENT_PATTERNS,
@@ -120,7 +122,6 @@ class SlurmAdapter(BatchSchedulerAdapter):
         super().__init__(backoff=backoff, markers=markers)
         self.backend = backend
         self.tenants = tenants
-        self._workdirs: set[str] = set()
         self.cluster_id = cluster_id
         self.config = config
         self.hold = hold
@@ -159,6 +160,7 @@ class SlurmAdapter(BatchSchedulerAdapter):
                 lookback_days=lookback_days,
                 executor_as=as_local if tenants.isolated else None,
                 lookup_users=lookup_users,
+                tenant_dirs=local_tenant_dirs(user),
             )
         elif transport == "ssh":
             backend = cls._ssh_backend(s, tenants, timeout, lookback_days)
@@ -332,11 +334,9 @@ class SlurmAdapter(BatchSchedulerAdapter):
             await self._ready()  # learns which accounts the cluster holds privileged: check again
             account = await self._account(request.job.tenant)
         work_dir = str(self.config.work_dir) if self.config.work_dir else None
-        if work_dir is not None and self.tenants.isolated:
-            work_dir = f"{work_dir.rstrip('/')}/{account}"  # the tenant's own, 0700: no other tenant reads it
-            if work_dir not in self._workdirs and request.job.working_directory is None:
-                await self.backend.prepare_workdir(work_dir, account)
-                self._workdirs.add(work_dir)
+        if work_dir is not None and self.tenants.isolated and request.job.working_directory is None:
+            # the tenant's own, 0700, checked now (never from a cache): no other tenant reads it or links it away
+            work_dir = await self.backend.tenant_dir(work_dir, account)
         plan = plan_submission(
             request,
             name=self.job_name(Owner(request.workflow_id, account)),

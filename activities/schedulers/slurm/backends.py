@@ -32,6 +32,7 @@ from types import ModuleType
 from typing import Any
 
 from activities.schedulers.batch.base import AccountExecutors
+from activities.schedulers.batch.workdir import TenantDirs
 from activities.schedulers.slurm import parsers as p
 from activities.schedulers.slurm.base import CommandExecutor, CommandResult
 from activities.schedulers.slurm.script import SubmitPlan, render_batch_script, render_rest_job
@@ -107,9 +108,10 @@ class SlurmBackend(abc.ABC):
     async def submit(self, plan: SubmitPlan, account: str | None = None) -> str:
         """Submit as ``account`` (None: the provider's own account); the job id."""
 
-    async def prepare_workdir(self, path: str, account: str) -> None:
-        """Make sure ``path`` is ``account``'s own private directory (where this transport can create it)."""
-        return None
+    async def tenant_dir(self, work_dir: str, account: str) -> str:
+        """``<work_dir>/<account>``, checked to be the account's own private directory where this transport can
+        see the file system (``CliBackend``); slurmrestd and pyslurm cannot: the operator makes it."""
+        return f"{work_dir.rstrip('/')}/{account}"
 
     @abc.abstractmethod
     async def queue(self, job_ids: Sequence[str]) -> list[p.QueueJob]:
@@ -181,8 +183,10 @@ class CliBackend(SlurmBackend):
         executor_as: Callable[[str], CommandExecutor] | None = None,
         lookup_users: Sequence[str] = (),
         tenant_shell: bool = False,
+        tenant_dirs: TenantDirs | None = None,
     ) -> None:
         """``executor_as(account)`` runs commands as a tenant's account (None: this backend cannot).
+        ``tenant_dirs`` checks (and may make) each tenant's job directory: default ``stat`` through ``executor``.
 
         ``tenant_shell``: those commands go through the tenant account's own login shell (SSH), whose startup
         files its jobs can write. Then what ``sbatch`` answers is checked with the provider's own ``squeue``, and
@@ -196,7 +200,7 @@ class CliBackend(SlurmBackend):
         self.lookup_users = tuple(lookup_users) or (user,)
         self.lookback = f"now-{lookback_days}days"
         self.description = executor.runner.description
-        self.executors = AccountExecutors(executor, user=user, factory=executor_as)
+        self.executors = AccountExecutors(executor, user=user, factory=executor_as, dirs=tenant_dirs)
 
     async def _run(
         self,
@@ -287,8 +291,8 @@ class CliBackend(SlurmBackend):
         )
         return p.parse_squeue(result.stdout, fields, sep=sep) if result.exit_code == 0 else []
 
-    async def prepare_workdir(self, path: str, account: str) -> None:
-        await self.executors.prepare_workdir(path, account, SubmissionRejected)
+    async def tenant_dir(self, work_dir: str, account: str) -> str:
+        return await self.executors.tenant_dir(work_dir, account)
 
     async def queue_by_names(self, names: Sequence[str]) -> list[p.QueueJob]:
         users = ",".join(self.lookup_users)
