@@ -3,9 +3,10 @@
 #   munged, MariaDB (own datadir) + slurmdbd, slurmctld, slurmd,
 #   slurmrestd (JWT, user slurmrest, 127.0.0.1:6820), sshd (127.0.0.1:2222, user hpcuser, key auth),
 #   and a pool of tenant accounts (vehpc-t1..vehpc-t4: Unix users with a 0700 job directory each in the jobs
-#   directory, which is root's and 0755, an SSH key each, Slurm associations), as the provider gives each tenant
-#   its own account. hpcuser, the provider's own submit account, is a Slurm operator (it cancels and reads every
-#   tenant's jobs) and runs no tenant job.
+#   directory, which is root's and 0755, an SSH key each, Slurm associations with MaxWall), as the provider gives
+#   each tenant its own account. PrivateData hides every user's jobs, usage and accounts from the others. hpcuser,
+#   the provider's own submit account, is a Slurm operator (it cancels and reads every tenant's jobs) and runs no
+#   tenant job.
 #
 # State folder: ${VEHPC_DEV_DIR:-<repo>/.dev}/slurm. Config stays out of /etc (SLURM_CONF).
 # Idempotent: daemons that already run (per their pid files) are left alone, stale pid files
@@ -43,6 +44,9 @@ MYSQL_PORT=3306
 SSH_PORT=2222
 REST_API=v0.0.38
 JWT_LIFESPAN=${VEHPC_SLURM_JWT_LIFESPAN:-86400}
+# The longest walltime this dev provider accepts (hpc.job_service.job_timeout_default): partition MaxTime and each
+# tenant association's MaxWall. Slurm lets a job's owner raise its pending job's time limit up to these, no further.
+MAX_TIME=1-00:00:00
 
 ETC=$STATE/etc
 RUN=$STATE/run
@@ -332,7 +336,8 @@ MinJobAge=300
 KillWait=5
 Waittime=0
 NodeName=$NODE NodeAddr=$HOST $HW State=UNKNOWN
-PartitionName=$PARTITION Nodes=ALL Default=YES MaxTime=INFINITE State=UP
+PrivateData=accounts,jobs,usage,users
+PartitionName=$PARTITION Nodes=ALL Default=YES MaxTime=$MAX_TIME State=UP
 EOF
 
 write_config "$ETC/cgroup.conf" root:root 0644 <<EOF
@@ -362,6 +367,7 @@ StoragePort=$MYSQL_PORT
 StorageUser=slurm
 StoragePass=$MYSQL_PASS
 StorageLoc=slurm_acct_db
+PrivateData=accounts,jobs,usage,users
 EOF
 
 write_config "$ETC/mysql-init.sql" mysql:mysql 0600 <<EOF
@@ -488,7 +494,14 @@ if ((${#new_tenants[@]})); then
     echo "${new_tenants[*]}"
   )" account="$ACCOUNT" cluster="$CLUSTER" >/dev/null
 fi
-# the submit account cancels and reads tenants' jobs: a Slurm operator (not an administrator)
+# a tenant's own jobs may ask (or be raised to) no more than the provider offers
+for tenant in "${TENANTS[@]}"; do
+  if [[ $(sacctmgr -n -P show assoc where user="$tenant" account="$ACCOUNT" cluster="$CLUSTER" format=maxwall) != "$MAX_TIME" ]]; then
+    sacctmgr -i modify user where name="$tenant" account="$ACCOUNT" cluster="$CLUSTER" set maxwall="$MAX_TIME" >/dev/null
+  fi
+done
+# the submit account cancels and reads tenants' jobs, whatever PrivateData hides from others: a Slurm operator
+# (not an administrator)
 if [[ $(sacctmgr -n -P show user "$JOB_USER" format=adminlevel) != Operator ]]; then
   sacctmgr -i modify user "$JOB_USER" set adminlevel=Operator >/dev/null
 fi
