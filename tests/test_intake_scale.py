@@ -25,11 +25,11 @@ from tests.conftest import make_config
 from tests.memory_adapter import MemoryAdapter
 from tests.pipeline_harness import TENANT, Pipeline, running_pipeline
 from tests.poller_support import idle_queue, start_idle, terminate_all, visibility_shows
-from virtengine_hpc.messages import JOB_WORKFLOW_NAME
+from virtengine_hpc.messages import JOB_WORKFLOW_NAME, CancelRequest
 from virtengine_hpc.states import JobState
 from workers.intake_lease import SETTLE_SECONDS, IntakeLease, lease_id
 from workers.metrics import WorkerMetrics
-from workers.poller import ChainPoller
+from workers.poller import CANCEL_BATCH, ChainPoller, PollStats
 from workers.wiring import job_settings
 
 
@@ -397,6 +397,51 @@ async def test_jobs_cancelled_before_they_started_take_no_slot(
             await terminate_all(client, [*flood, *poller._recent])
 
 
+async def test_a_cancel_requested_during_a_flood_of_cancels_is_not_left_behind_the_flood(
+    client: Client, tmp_path: Path, key_path: Path, task_queue: str
+) -> None:
+    """A tenant has cancelled 300 pending jobs (each a lookup, a start with the cancel in it and an audit record);
+    while the poller forwards them, another tenant cancels its running job. The chain's list is read again every
+    ``CANCEL_BATCH`` forwards, so that cancel comes next, not after the whole flood: it was not forwarded at all in
+    that round (the list had been read once, at its start), at 10,000 cancels a wait of minutes while the job ran
+    and was billed."""
+    config = pipeline_config(tmp_path, 5)
+    async with running_pipeline(client, config, key_path, MemoryAdapter(), task_queue) as pipe:
+        queue = idle_queue()
+        pipe.ledger.fund("mallory", 400)
+        flood = [pipe.submit(decide=False, max_price="1", tenant="mallory") for _ in range(300)]
+        for job_id in flood:
+            pipe.ledger.request_cancel(job_id)
+        victim = pipe.submit()
+        await start_idle(pipe, victim, queue)
+        await pipe.ledger.report_status(StatusReport(job_id=victim, state=JobState.RUNNING))
+        order = _CancelOnce(lambda: pipe.ledger.request_cancel(victim), after=20)
+        poller = make_poller(pipe, RecordingCalls(client, order), queue, holder="poller")
+        try:
+            stats = await poller.forward_cancellations()
+            assert sorted(stats.cancelled) == sorted([*flood, victim])
+            signals = [op for op in order if op.startswith("signal ")]
+            assert signals.index(f"signal {victim}") <= CANCEL_BATCH, "next after the batch in flight"
+            assert await cancel_signals(client, victim) == 1
+            assert len(pipe.audit_events("job_cancelled")) == 300
+        finally:
+            await terminate_all(client, [victim, *flood])
+
+
+class _CancelOnce(list[str]):
+    """The calls' order; once ``after`` calls were made, ``cancel`` (a tenant's cancel in mid round)."""
+
+    def __init__(self, cancel: Any, after: int) -> None:
+        super().__init__()
+        self.cancel = cancel
+        self.after = after
+
+    def append(self, item: str) -> None:
+        super().append(item)
+        if len(self) == self.after:
+            self.cancel()
+
+
 class RecordingCalls:
     """The real client, recording the order of the signals and starts sent through it."""
 
@@ -426,3 +471,52 @@ class _RecordingHandle:
     async def signal(self, *args: Any, **kwargs: Any) -> Any:
         self.order.append(f"signal {self.handle.id}")
         return await self.handle.signal(*args, **kwargs)
+
+
+async def test_the_intake_leaves_a_job_its_tenant_cancelled_to_the_cancellation_loop(
+    client: Client, tmp_path: Path, key_path: Path, task_queue: str
+) -> None:
+    """A tenant cancels a job still pending on chain. The two loops run side by side, and the intake's round may
+    come first: it used to start the job as any other (a slot taken), and the job was submitted, ran and was billed
+    before the cancellation loop's round signalled it (here it even completed: settled, 1 submit). The intake now
+    leaves it to that loop, which starts its workflow with the cancel in it: nothing submitted, cancelled on chain,
+    audited ``job_cancelled`` once."""
+    config = pipeline_config(tmp_path, 5)
+    adapter = MemoryAdapter()
+    async with running_pipeline(client, config, key_path, adapter, task_queue) as pipe:
+        job = pipe.submit()
+        pipe.ledger.request_cancel(job)
+        taken = await pipe.poller.take_jobs()
+        if (
+            taken.started
+        ):  # what it did before: let the run go on, as it did until the next cancellation round
+            await pipe.handle(job).result()
+        assert (await pipe.poller.forward_cancellations()).cancelled == [job]
+        results = await pipe.run_until_done([job])
+        assert results[job].state == JobState.CANCELLED
+        assert pipe.states_of(job) == [JobState.CANCELLED]
+        assert adapter.submits == 0
+        assert len(pipe.audit_events("job_cancelled", job)) == 1
+        assert taken.started == [] and taken.running == 0
+
+
+async def test_a_start_with_the_cancel_in_it_knows_whether_it_made_the_run(
+    client: Client, tmp_path: Path, key_path: Path, task_queue: str
+) -> None:
+    """Which poller audits a job cancelled before it started rests on Temporal's answer to signal-with-start
+    (``started``), which the SDK keeps on the handle without a public accessor. An SDK that moved it would make
+    every such start look made here (an audit record per cluster): this says so, on the real server."""
+    config = pipeline_config(tmp_path, 5)
+    async with running_pipeline(client, config, key_path, MemoryAdapter(), task_queue) as pipe:
+        job = pipe.submit(decide=False)
+        poller = make_poller(pipe, client, idle_queue(), holder="poller")
+        chain_job = await pipe.ledger.get_job(job)
+        assert chain_job is not None
+        inp = await poller._accept(chain_job, PollStats())
+        assert inp is not None
+        try:
+            made = await poller._start_workflow(inp, cancel=CancelRequest(reason="cancelled by the tenant"))
+            again = await poller._start_workflow(inp, cancel=CancelRequest(reason="cancelled by the tenant"))
+            assert (made, again) == (True, False)
+        finally:
+            await terminate_all(client, [job])

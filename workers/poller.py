@@ -26,7 +26,8 @@ Tenant cancellations seen on chain become ``cancel`` signals, in a loop of their
 delays a cancel. They are forwarded ``cancel_concurrency`` at a time in the chain's order (running jobs first, in
 turns by tenant), so a tenant's flood of cancels does not delay another tenant's. Only Temporal's NOT_FOUND answer means "no workflow":
 then a job still pending on chain that never had a workflow gets its workflow started with the cancel in it (the
-workflow cancels and refunds it on chain), and one whose workflow closed goes to the reconciler.
+workflow cancels and refunds it on chain), and one whose workflow closed goes to the reconciler. The intake leaves a
+pending job its tenant has cancelled to this loop: it never starts one to run.
 Any other error is retried next round and never touches the chain, since a workflow may still run the job.
 
 Beside the polls, the reconciler (``workers/reconciler.py``) runs its own loop every ``reconcile_interval``.
@@ -79,6 +80,9 @@ MAX_START_BACKOFF_SECONDS = 300.0
 """Longest wait before a job whose workflow start failed is tried again."""
 PAGE_SIZE = 500
 """Pending jobs read from the chain, and looked up in visibility, at a time."""
+CANCEL_BATCH = 64
+"""Cancels forwarded between two readings of the chain's cancel requests within one round (at least
+``cancel_concurrency``)."""
 FORGET_STARTS_AFTER = 600.0
 """Seconds after which a start this poller made counts as visible, even if visibility still does not list it."""
 _SERVICE_DOWN = frozenset(
@@ -255,11 +259,15 @@ class ChainPoller:
         while True:
             page = await self.chain.pending_jobs(self.cluster_id, self.provider, limit=PAGE_SIZE, after=after)
             seen += [job.job_id for job in page]
-            ask = [job.job_id for job in page if job.job_id not in held and job.job_id not in self._taken]
+            # A job its tenant has cancelled is the cancellation loop's: it starts the job's workflow with the cancel
+            # in it (nothing submitted, no slot taken). Started here, the job would be submitted, run and be billed
+            # before that loop's next round signalled the cancel.
+            wanted = [job for job in page if not job.cancel_requested]
+            ask = [job.job_id for job in wanted if job.job_id not in held and job.job_id not in self._taken]
             running, _ = await self.reconciler.visible(ask)
             self._taken |= running
             fresh = []
-            for job in page:
+            for job in wanted:
                 if job.job_id in self._taken:
                     continue
                 if job.job_id in held:
@@ -489,9 +497,23 @@ class ChainPoller:
 
     async def _forward_cancellations(self, stats: PollStats) -> None:
         """Forward the tenant cancellations on chain, ``cancel_concurrency`` at once, in the chain's order (taken
-        jobs first, in turns by tenant, so that a flood of cancels does not delay another tenant's). The intake lease holder
-        forwards them; a standby poller only those that have waited a whole lease term (the holder is gone), so
-        that a cancel is signalled once."""
+        jobs first, in turns by tenant, so that a flood of cancels does not delay another tenant's). The intake lease
+        holder forwards them; a standby poller only those that have waited a whole lease term (the holder is gone),
+        so that a cancel is signalled once. The chain's list is read again every ``CANCEL_BATCH`` forwards: a cancel
+        requested while a flood of thousands is being forwarded takes its place in the order then, instead of
+        waiting for the whole flood (each of its cancels a lookup, a start and an audit record)."""
+        tried: set[str] = set()  # in this round: one that could not be forwarded is tried again next round
+        batch_size = max(CANCEL_BATCH, self.cancel_concurrency)
+        while True:
+            todo = [job_id for job_id in await self._cancels_to_forward(stats) if job_id not in tried]
+            batch = todo[:batch_size]
+            tried.update(batch)
+            await self._forward_batch(batch, stats)
+            if len(todo) <= batch_size:
+                return
+
+    async def _cancels_to_forward(self, stats: PollStats) -> list[str]:
+        """The chain's cancel requests this poller forwards now, in the chain's order."""
         requested = await self.chain.cancel_requested_jobs(self.cluster_id, self.provider)
         now = self.clock()
         self._signalled &= set(requested)  # the others are final now
@@ -500,7 +522,11 @@ class ChainPoller:
         if not await self.lease.refresh():
             stats.standby = True
             todo = [job_id for job_id in todo if now - self._cancel_seen[job_id] >= self.lease.term]
-        pending = iter(todo)
+        return todo
+
+    async def _forward_batch(self, batch: list[str], stats: PollStats) -> None:
+        """Forward ``batch``, ``cancel_concurrency`` at once, each forwarder taking the next request in order."""
+        pending = iter(batch)
         failures: list[Exception] = []
 
         async def forward() -> None:
@@ -516,7 +542,7 @@ class ChainPoller:
                 if failures:
                     return
 
-        await asyncio.gather(*(forward() for _ in range(min(self.cancel_concurrency, len(todo)))))
+        await asyncio.gather(*(forward() for _ in range(min(self.cancel_concurrency, len(batch)))))
         if failures:
             raise failures[0]
 
@@ -592,7 +618,8 @@ def _start_attributes(inp: JobWorkflowInput, *, cancelled: bool) -> TypedSearchA
 def _started_here(handle: WorkflowHandle[Any, Any]) -> bool:
     """Whether a start made the run, rather than signalling one that existed (signal-with-start). Temporal says so
     in its answer (``started``, servers from 1.25), which the SDK keeps on the handle without a public accessor;
-    when it cannot be read, the start counts as made here (a second audit record rather than none)."""
+    when it cannot be read, the start counts as made here (a second audit record rather than none). A test starts a
+    run twice this way on the real server, so an SDK that moves the answer fails it."""
     answer = getattr(handle, "_start_workflow_response", None)
     return not isinstance(answer, SignalWithStartWorkflowExecutionResponse) or answer.started
 
