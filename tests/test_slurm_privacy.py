@@ -1,11 +1,12 @@
 """What Slurm's own configuration hides and bounds between tenants, on the real cluster as
 ``temporal-dev/slurm-up.sh`` sets it up (``PrivateData=accounts,jobs,usage,users`` in slurm.conf and
-slurmdbd.conf; partition ``MaxTime`` and each tenant association's ``MaxWall`` at the longest walltime offered).
+slurmdbd.conf; partition ``MaxTime`` and each tenant association's ``MaxWall`` at the longest walltime offered;
+a ``job_submit.lua`` that refuses a raise of a job's time limit by anyone but root, SlurmUser and the provider).
 
 One tenant sees nothing of another's jobs (names, owners, scripts, accounting), while the provider's account, a
-Slurm operator, still follows every tenant's job; a tenant cannot raise its pending job's time limit past what the
-provider offers (the workflow's own deadline, walltime plus ``walltime_grace``, stops a job that runs longer in any
-case: ``tests/test_job_lifecycle.py``).
+Slurm operator, still follows every tenant's job; a tenant cannot raise its pending job's time limit (the
+workflow's own deadline, walltime plus ``walltime_grace``, stops a job that runs longer in any case:
+``tests/test_job_lifecycle.py``).
 """
 
 from __future__ import annotations
@@ -120,9 +121,10 @@ def limit_minutes(env: dict[str, Any], job_id: str) -> int:
     return int(days or 0) * 1440 + parts[0] * 60 + parts[1]
 
 
-async def test_a_tenant_cannot_raise_its_pending_jobs_time_limit_past_what_the_provider_offers(
-    env: dict[str, Any],
-) -> None:
+async def test_a_tenant_cannot_raise_its_pending_jobs_time_limit(env: dict[str, Any]) -> None:
+    """Slurm lets a job's owner raise its pending job's limit up to the partition's MaxTime and the association's
+    MaxWall; the cluster's job_submit plugin refuses any raise but the provider's, a tenant may still lower it, and
+    a job asking more than MaxTime is refused at submission."""
     alice = sc.account_of(env, sc.ALICE)
     bound = partition_max_minutes(env)
     name = f"vehpc-{sc.workflow_id(SCOPE + 'limit')}"
@@ -133,7 +135,7 @@ async def test_a_tenant_cannot_raise_its_pending_jobs_time_limit_past_what_the_p
         "--parsable",
         "--hold",
         "-t",
-        "1",
+        "2",
         "-J",
         name,
         "-o",
@@ -144,11 +146,12 @@ async def test_a_tenant_cannot_raise_its_pending_jobs_time_limit_past_what_the_p
     assert submitted.returncode == 0, submitted
     job_id = submitted.stdout.strip()
     try:
-        for asked in (bound + 1, 90 * 1440):
+        for asked in (10, bound, bound + 1, 90 * 1440):
             raised = as_account(env, alice, "scontrol", "update", f"jobid={job_id}", f"timelimit={asked}")
             assert raised.returncode != 0, raised
-            assert limit_minutes(env, job_id) <= bound
-        assert limit_minutes(env, job_id) == 1
+            assert limit_minutes(env, job_id) == 2
+        lowered = as_account(env, alice, "scontrol", "update", f"jobid={job_id}", "timelimit=1")
+        assert lowered.returncode == 0 and limit_minutes(env, job_id) == 1, lowered
         too_long = as_account(
             env, alice, "sbatch", "--parsable", "--hold", "-t", str(bound + 1), "-J", name, "--wrap", "true"
         )
