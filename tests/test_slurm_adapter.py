@@ -648,3 +648,37 @@ async def test_job_past_its_walltime_times_out(env: dict[str, Any]) -> None:
         assert outcome.usage.reading.wall_clock_seconds >= 60
     finally:
         await adapter.close()
+
+
+async def test_a_suspended_jobs_run_time_excludes_its_suspension_on_every_transport(
+    env: dict[str, Any],
+) -> None:
+    """An operator suspends a running job (``scontrol suspend``): its run time stops, on every transport, as the
+    controller counts it (``squeue``'s TimeUsed). slurmrestd gives no run time: it was now - start, which billed
+    the suspension (and the high-water mark kept it to the final record)."""
+    adapters = {name: sc.adapter(env, name) for name in sc.TRANSPORTS}
+    wf = wid("suspend")
+    job_id = ""
+    try:
+        submitted = await adapters["cli"].submit(
+            SubmitRequest(workflow_id=wf, job=sc.spec(wf, "sleep 300\n"), body="sleep 300\n")
+        )
+        job_id = submitted.scheduler_job_id
+        await sc.wait_for(adapters["cli"], job_id, lambda s: s.state == JobState.RUNNING, timeout=120)
+        await asyncio.sleep(3)
+        sc.slurm_command(env, ["scontrol", "suspend", job_id])
+        await sc.wait_for(adapters["cli"], job_id, lambda s: s.state == JobState.SUSPENDED, timeout=30)
+        await asyncio.sleep(6)  # suspended: none of this is run time
+        used = sc.slurm_command(env, ["squeue", "-h", "-j", job_id, "-O", "TimeUsed"]).strip()
+        seconds = sum(int(part) * 60**i for i, part in enumerate(reversed(used.split(":"))))
+        readings = {name: (await a.usage(job_id)).reading.wall_clock_seconds for name, a in adapters.items()}
+        assert readings == dict.fromkeys(sc.TRANSPORTS, Decimal(seconds)), (used, readings)
+        sc.slurm_command(env, ["scontrol", "resume", job_id])
+        await asyncio.sleep(2)
+        resumed = await adapters["rest"].usage(job_id)
+        assert seconds + 1 <= resumed.reading.wall_clock_seconds <= seconds + 4, resumed.reading
+    finally:
+        if job_id:
+            await adapters["cli"].cancel(job_id)
+        for adapter in adapters.values():
+            await adapter.close()

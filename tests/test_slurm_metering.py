@@ -223,6 +223,38 @@ async def test_a_requeued_job_renamed_while_running_again_is_read_with_its_earli
     assert (await slurm.usage("2552")).reading.wall_clock_seconds == 12 + 3
 
 
+async def test_a_job_cancelled_as_it_was_requeued_is_final_with_the_runs_accounting_holds() -> None:
+    """Requeued, then cancelled within the second (before slurmdbd recorded its pending run): accounting's last
+    word is REQUEUED for ever (seen on Slurm 22.05). Once the controller says it ended, ``accounting_grace`` ago, its
+    final accounting is the run accounting holds; before, its final record waited for ever and the job never
+    settled (the chain showed it running)."""
+    run_one = "\n".join(golden("sacct_requeued.txt").splitlines()[:3]) + "\n"
+    cancelled = p.QueueJob(
+        job_id="2552",
+        state="CANCELLED",
+        start_time=None,
+        end_time=datetime.now(UTC) - timedelta(minutes=2),
+        alloc_tres=p.parse_tres("cpu=1,mem=256M,node=1", usage=False),
+    )
+    usage = await adapter(GoldenBackend(run_one, queued=[cancelled])).usage("2552")
+    assert usage.final and usage.reading.wall_clock_seconds == 12
+    assert usage.start_time == REQUEUED_FIRST_START
+    # The controller has forgotten it (MinJobAge): it is not "queued" again for ever, it ended.
+    slurm = adapter(GoldenBackend(run_one))
+    status = (await slurm.status_batch(["2552"]))["2552"]
+    assert status.state.value == "cancelled" and "requeued, then removed" in status.reason
+    assert (await slurm.usage("2552")).final
+
+
+async def test_a_job_requeued_a_moment_ago_is_not_taken_for_ended() -> None:
+    """The same accounting while the controller holds the job pending again: it runs again, nothing is final."""
+    run_one = "\n".join(golden("sacct_requeued.txt").splitlines()[:3]) + "\n"
+    pending = p.QueueJob(job_id="2552", state="PENDING", reason="BeginTime")
+    slurm = adapter(GoldenBackend(run_one, queued=[pending]))
+    assert not (await slurm.usage("2552")).final
+    assert (await slurm.status_batch(["2552"]))["2552"].state.value == "queued"
+
+
 # ---- slurmrestd: no run time of its own; suspended time is not run time ------------------------------------------
 
 

@@ -258,3 +258,112 @@ async def test_a_requeued_job_is_billed_for_every_run_and_reconciles(
     )
     out, _ = capsys.readouterr()
     assert code == 0, out
+
+
+@pytest.mark.timeout(600)  # Slurm holds a requeued job back for ~2 minutes (BeginTime) before it runs again
+async def test_a_job_that_requeues_and_renames_itself_is_billed_for_every_run(
+    client: Client,
+    tmp_path: Path,
+    key_path: Path,
+    task_queue: str,
+    env: dict[str, Any],
+) -> None:
+    """A tenant's job requeues itself (its owner may) and, in its second run, renames itself and changes its
+    comment (``scontrol update``): its first run held the allocation all the same and is billed. Before, an earlier
+    run counted only under the latest run's name and comment: the records billed the second run alone."""
+    config = make_config(
+        tmp_path,
+        hpc={
+            "scheduler_type": "slurm",
+            "cluster_id": f"slurm-{uuid.uuid4().hex[:8]}",
+            "job_service": {"job_poll_interval": "500ms", "vanished_job_grace": "60s"},
+            "usage_reporting": {"report_interval": "2s"},
+            "slurm": sc.slurm_section(env, "cli"),
+            "tenants": sc.tenants_section(env),
+        },
+    )
+    adapter = SlurmAdapter.from_config(config, sc.secrets(env), config.hpc.cluster_id)
+    script = (
+        '#!/bin/bash\nif [ "${SLURM_RESTART_COUNT:-0}" -gt 0 ]; then\n'
+        "  scontrol update JobId=$SLURM_JOB_ID JobName=renamed Comment=mine\n  sleep 3\n  exit 0\nfi\n"
+        "sleep 8\nscontrol requeue $SLURM_JOB_ID\nsleep 300\n"
+    )
+    async with running_pipeline(client, config, key_path, adapter, task_queue) as pipe:
+        job_id = pipe.submit(
+            job_id=sc.workflow_id(SCOPE.rstrip("-")), script=script, resources={"memory_mb_per_node": 256}
+        )
+        results = await pipe.run_until_done([job_id], timeout=400)
+    assert results[job_id].state == JobState.COMPLETED, results[job_id].message
+    slurm_id = pipe.ledger.job(job_id).scheduler_job_id
+    runs = sc.slurm_command(
+        env,
+        ["sacct", "--duplicates", "-X", "-P", "-n", "-j", slurm_id, "-o", "State,ElapsedRaw,JobName,User"],
+    ).split()
+    fields = [run.split("|") for run in runs]
+    assert [f[0] for f in fields] == ["REQUEUED", "COMPLETED"] and fields[1][2] == "renamed", runs
+    assert fields[0][3] == fields[1][3] == sc.account_of(env), runs
+    elapsed = [int(f[1]) for f in fields]
+    records = pipe.ledger.usage_records(job_id)
+    total = sum_metrics([r.metrics for r in records])
+    assert total.wall_clock_seconds == sum(elapsed) and elapsed[0] >= 8, (runs, total)
+    assert total.cpu_core_seconds == sum(elapsed)
+
+
+@pytest.mark.timeout(300)
+async def test_a_job_cancelled_as_it_is_requeued_settles_on_the_run_it_had(
+    client: Client,
+    tmp_path: Path,
+    key_path: Path,
+    task_queue: str,
+    env: dict[str, Any],
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """An operator requeues a running job and cancels it at once (before slurmdbd records its pending run):
+    accounting's last word about it stays REQUEUED. It ends cancelled, billed for the run it had, and reconciles.
+    Before, its final record waited for accounting for ever and the chain showed it running."""
+    config = make_config(
+        tmp_path,
+        hpc={
+            "scheduler_type": "slurm",
+            "cluster_id": f"slurm-{uuid.uuid4().hex[:8]}",
+            "job_service": {"job_poll_interval": "500ms", "vanished_job_grace": "60s"},
+            "usage_reporting": {"report_interval": "2s"},
+            "slurm": sc.slurm_section(env, "cli", accounting_grace="5s"),
+            "tenants": sc.tenants_section(env),
+        },
+    )
+    adapter = SlurmAdapter.from_config(config, sc.secrets(env), config.hpc.cluster_id)
+    async with running_pipeline(client, config, key_path, adapter, task_queue) as pipe:
+        job_id = pipe.submit(
+            job_id=sc.workflow_id(SCOPE.rstrip("-")),
+            script="sleep 300\n",
+            resources={"memory_mb_per_node": 256},
+        )
+        for _ in range(300):
+            await pipe.poller.poll_once()
+            if getattr(pipe.ledger.job(job_id), "state", None) == JobState.RUNNING:
+                break
+            await asyncio.sleep(0.3)
+        await asyncio.sleep(3)
+        slurm_id = pipe.ledger.job(job_id).scheduler_job_id
+        sc.slurm_command(env, ["bash", "-c", f"scontrol requeue {slurm_id}; scancel {slurm_id}"])
+        results = await pipe.run_until_done([job_id], timeout=200)
+    assert results[job_id].state == JobState.CANCELLED, results[job_id].message
+    runs = sc.slurm_command(
+        env, ["sacct", "--duplicates", "-X", "-P", "-n", "-j", slurm_id, "-o", "State,ElapsedRaw"]
+    ).split()
+    records = pipe.ledger.usage_records(job_id)
+    total = sum_metrics([r.metrics for r in records])
+    assert total.wall_clock_seconds == sum(int(run.split("|")[1]) for run in runs) >= 3, (runs, total)
+    assert sum(1 for r in records if r.is_final) == 1 and records[-1].is_final
+    assert pipe.ledger.settlement(job_id) is not None
+    print("accounting:", runs)  # REQUEUED alone when the cancel beat slurmdbd, else REQUEUED then CANCELLED
+
+    config_file = tmp_path / "provider.json"
+    config_file.write_text(config.model_dump_json(exclude_defaults=True))
+    capsys.readouterr()
+    code = await asyncio.to_thread(
+        cli_main, ["--config", str(config_file), "usage", "reconcile", "--job", job_id]
+    )
+    out, err = capsys.readouterr()
+    assert code == 0 and "Traceback" not in err, out + err

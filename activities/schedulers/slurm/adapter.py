@@ -464,7 +464,22 @@ class SlurmAdapter(BatchSchedulerAdapter):
                 return self._from_accounting(job_id, accounted), False
             return self._ended_in_queue(job_id, queued, mapped), False
         assert accounted is not None
+        if self._requeued_then_gone(accounted, None):
+            return self._gone_after_requeue(job_id, accounted), False
         return self._from_accounting(job_id, accounted), False
+
+    @staticmethod
+    def _gone_after_requeue(job_id: str, job: p.AcctJob) -> NativeStatus:
+        """Requeued, then no longer in the controller nor recorded ended by accounting (cancelled the moment it was
+        requeued): it will not run again. Its runs were recorded; it ends cancelled."""
+        return NativeStatus(
+            scheduler_job_id=job_id,
+            state=JobState.CANCELLED,
+            native_state=f"{job.state.split()[0]} (then removed)",
+            reason="requeued, then removed before it ran again (accounting never recorded its end)",
+            start_time=job.start_time if _started(job) else None,
+            end_time=job.end_time,
+        )
 
     def _from_queue(self, job_id: str, job: p.QueueJob, mapped: Mapped) -> NativeStatus:
         started = mapped.state in _RUNNING_LIKE or (mapped.state.final and (job.elapsed_seconds or 0) > 0)
@@ -529,7 +544,7 @@ class SlurmAdapter(BatchSchedulerAdapter):
                 accounted = next(iter(await self.backend.accounting([job_id], steps=True)), None)
             except AccountingDisabled:
                 self._accounting_disabled()
-        if accounted is not None and self._accounting_closed(accounted):
+        if accounted is not None and self._accounting_closed(accounted, queued):
             return self._final_usage(job_id, accounted)
         if queued is None and accounted is None:
             raise JobNotFound(f"Slurm job {job_id} is in neither the controller's queue nor accounting")
@@ -579,11 +594,15 @@ class SlurmAdapter(BatchSchedulerAdapter):
         previous = seen.get(step_id)
         seen[step_id] = reading if previous is None else highest(reading, previous)
 
-    def _accounting_closed(self, job: p.AcctJob) -> bool:
+    def _accounting_closed(self, job: p.AcctJob, queued: p.QueueJob | None = None) -> bool:
         """The job ended in accounting and so did each of its steps (a step's record lands a moment after the job's
-        line, first without its usage). A step stuck "running" after ``accounting_grace`` is not waited for."""
+        line, first without its usage). A step stuck "running" after ``accounting_grace`` is not waited for.
+
+        A job cancelled right after a requeue, before slurmdbd recorded its pending run, ends with accounting's
+        last word "REQUEUED" for ever: once the controller says it ended (or no longer holds it) and
+        ``accounting_grace`` has passed, its runs in accounting are all it ran."""
         if not map_state(job.state).state.final:
-            return False
+            return self._requeued_then_gone(job, queued)
         open_steps = [s.step_id for r in job.runs for s in r.steps if not map_state(s.state).state.final]
         if not open_steps:
             return True
@@ -594,6 +613,16 @@ class SlurmAdapter(BatchSchedulerAdapter):
             )
             return True
         return False
+
+    def _requeued_then_gone(self, job: p.AcctJob, queued: p.QueueJob | None) -> bool:
+        """Accounting's last record of the job ended in a requeue, and the controller says the job ended since (or
+        holds it no more) at least ``accounting_grace`` ago: it will not run again, and accounting will not say so."""
+        if not _requeue_end(job.state):
+            return False
+        if queued is not None and not map_state(queued.state).state.final:
+            return False  # pending again (or running): not over
+        ended = (queued.end_time if queued is not None else None) or job.end_time
+        return ended is not None and (datetime.now(UTC) - ended).total_seconds() >= self.accounting_grace
 
     @staticmethod
     def _accounting_reading(job: p.AcctJob, *, taken_at: datetime | None) -> Reading:
@@ -715,6 +744,11 @@ def _run_time(job: p.QueueJob, now: datetime) -> int:
     end = min(now, job.end_time) if job.end_time is not None else now
     since = job.suspend_time or job.start_time or end
     return job.pre_suspend_seconds + max(0, int((end - since).total_seconds()))
+
+
+def _requeue_end(state: str) -> bool:
+    """Accounting's state of a run that Slurm requeued (the job runs again, or was removed right after)."""
+    return (state.split() or [""])[0] in ("REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED")
 
 
 def _split_runs(
