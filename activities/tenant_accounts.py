@@ -54,6 +54,13 @@ class AssignmentStore:
     def __init__(self, path: Path, *, busy_timeout: float = 30.0) -> None:
         self.path = path
         self.busy_timeout = busy_timeout
+        if not path.exists():
+            log.warning(
+                "creating the pool's assignments file %s: if tenants got pool accounts before, their file is lost "
+                "or not shared with this host (hpc.tenants.assignments_path); accounts the cluster shows in use "
+                "are held back",
+                path,
+            )
         try:
             ensure_private(path)
             with self._connect() as conn:

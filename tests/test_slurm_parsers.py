@@ -569,3 +569,20 @@ def test_hostile_fields_are_refused_before_any_script_exists() -> None:
         _spec(environment={"SLURM_JOB_ID": "1"})
     with pytest.raises(SecurityError):
         bare_name("bad id; x")
+
+
+def test_admin_levels_from_sacctmgr_and_slurmdbd() -> None:
+    """Who may act on every user's jobs (never a tenant's account): ``sacctmgr -n -P show user
+    format=User,AdminLevel`` as Slurm 22.05 prints it, and slurmdbd's ``users`` answer."""
+    text = "hpcuser|Operator\nroot|Administrator\nvehpc-t1|None\n|Operator\nodd line\n"
+    assert p.parse_admin_levels(text) == {"hpcuser": "Operator", "root": "Administrator"}
+    body = {
+        "users": [
+            {"name": "hpcuser", "administrator_level": ["Operator"]},
+            {"name": "root", "administrator_level": "Administrator"},
+            {"name": "vehpc-t1", "administrator_level": ["None"]},
+            {"administrator_level": ["Operator"]},
+            "junk",
+        ]
+    }
+    assert p.parse_rest_admin_levels(body) == {"hpcuser": "Operator", "root": "Administrator"}
