@@ -337,6 +337,54 @@ async def test_a_standby_poller_forwards_a_cancel_the_holder_left_for_a_whole_te
             await terminate_all(client, [job])
 
 
+async def test_a_standby_poller_leaves_the_pending_jobs_of_a_long_flood_to_the_busy_holder(
+    client: Client, tmp_path: Path, key_path: Path, task_queue: str
+) -> None:
+    """The holder lives but a flood of cancels outlasts a term: the standby poller forwards what has waited that
+    long, and the cancel of a pending job without a workflow is the holder's to start. The standby signals it and
+    stops there; it looked up every such job on Temporal and on chain, every round, for nothing, while the holder
+    was at its busiest."""
+    config = pipeline_config(tmp_path, 5)
+    async with running_pipeline(client, config, key_path, MemoryAdapter(), task_queue) as pipe:
+        queue = idle_queue()
+        pipe.ledger.fund("mallory", 40)
+        flood = [pipe.submit(decide=False, max_price="1", tenant="mallory") for _ in range(30)]
+        for job_id in flood:
+            pipe.ledger.request_cancel(job_id)
+        a = make_poller(pipe, client, queue, holder="poller-a")
+        b = make_poller(pipe, client, queue, holder="poller-b")
+        reads = _CountingReads(pipe.ledger)
+        b.chain = cast(Any, reads)
+        now = [0.0]
+        b.clock = lambda: now[0]
+        try:
+            assert await a.lease.refresh(), "a holds the lease, busy with the flood"
+            assert (await b.forward_cancellations()).cancelled == []
+            now[0] = b.lease.term
+            stats = await b.forward_cancellations()
+            assert stats.standby and stats.cancelled == []
+            assert reads.job_reads == 0, "the standby read the chain for jobs the holder starts"
+            assert pipe.audit_events("job_cancelled") == []
+            assert sorted((await a.forward_cancellations()).cancelled) == sorted(flood)
+        finally:
+            await terminate_all(client, flood)
+
+
+class _CountingReads:
+    """The ledger, counting ``get_job`` calls."""
+
+    def __init__(self, ledger: Any) -> None:
+        self.ledger = ledger
+        self.job_reads = 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.ledger, name)
+
+    async def get_job(self, job_id: str) -> Any:
+        self.job_reads += 1
+        return await self.ledger.get_job(job_id)
+
+
 async def test_a_flood_of_cancels_does_not_delay_another_tenants_cancel(
     client: Client, tmp_path: Path, key_path: Path, task_queue: str
 ) -> None:

@@ -567,7 +567,14 @@ class ChainPoller:
     async def _cancel_without_workflow(self, handle: WorkflowHandle[object, object], job_id: str) -> bool:
         """The signal found no running workflow. Cancel the job on chain directly (escrow refunded) only if it is
         still pending and no workflow ever ran for it; a closed workflow may have left a scheduler job behind,
-        so such a job goes to the reconciler, whose run stops it first. True when cancelled here."""
+        so such a job goes to the reconciler, whose run stops it first. True when cancelled here.
+
+        Only the intake lease holder looks further: a standby poller forwards a cancel only when the holder seems
+        gone, and during a flood that outlasts a term it would otherwise look up, every round, each job the busy
+        holder has not reached yet (a closed run's job is also found by the reconciler's own rounds)."""
+        if not self.lease.valid():
+            # The intake lease holder starts it (the same cancel reaches it): one start, one audit record.
+            return False
         try:
             closed = await handle.describe()
         except RPCError as exc:
@@ -582,8 +589,7 @@ class ChainPoller:
         if closed is not None or job.state != JobState.PENDING:
             await self.reconciler.recover(job, closed)
             return False
-        if not self.lease.valid():
-            # The intake lease holder starts it (the same cancel reaches it): one start, one audit record.
+        if not self.lease.valid():  # it ended meanwhile
             return False
         # Start its workflow with the cancel already in it (signal-with-start): the workflow stays the only writer
         # of the job's chain state, so another poller starting it at this moment cannot run a job the chain
