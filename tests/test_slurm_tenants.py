@@ -109,8 +109,10 @@ async def test_two_tenants_run_as_two_accounts_that_cannot_touch_each_other(
         assert (await adapter.status_batch([b_id]))[b_id].state == JobState.RUNNING, "Bob's job goes on"
         child_id = next(line.split("=", 1)[1] for line in out.splitlines() if line.startswith("child="))
         assert child_id.isdigit(), out
-        assert owner(env, child_id) == alice != provider, (
-            "a job's own sbatch is its tenant's, billed to no one else"
+        assert owner(env, child_id) == alice != provider, "a job's own sbatch runs as its tenant's account"
+        swept = {job.scheduler_job_id: job for job in await adapter.swept_jobs()}
+        assert swept[child_id].workflow_id is None and swept[child_id].user == alice, (
+            "the sweep lists it as a job without a valid marker, which it cancels (tests/test_sweep.py)"
         )
 
         assert await accounting_user(env, a_id) == alice
