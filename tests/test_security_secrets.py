@@ -247,6 +247,9 @@ async def test_no_secret_reaches_histories_search_attributes_logs_audit_ledger_o
             "clusters": clusters,
             "usage_reporting": {"report_interval": "2s"},
             "tenants": {"accounts": {TENANT: account}},
+            # No sweep: it would judge every job of the dev cluster's shared tenant accounts, other test runs'
+            # included, from a worker process the tests' sweep filter (tests/conftest.py) does not reach.
+            "job_service": {"sweep_interval": None},
         },
         temporal={
             "address": temporal_env.client.service_client.config.target_host,
