@@ -26,6 +26,7 @@ from virtengine_hpc.errors import (
     ConfigError,
     SchedulerUnavailable,
     SecurityError,
+    SubmissionRejected,
 )
 from virtengine_hpc.markers import claimed_workflow
 from virtengine_hpc.models import JobSpec
@@ -52,6 +53,13 @@ def users() -> tuple[str, str]:
 @pytest.fixture(scope="module")
 def cluster(users: tuple[str, str]) -> Iterator[ms.MoabCluster]:
     with ms.moab_cluster(walltime_cap=3.0) as c:
+        # What the operator makes: a work dir of root's (this configuration names no provider account) and in it
+        # each user's own job directory.
+        os.chown(c.work_dir, 0, 0)
+        for user in users:
+            entry = pwd.getpwnam(user)
+            (c.work_dir / user).mkdir(mode=0o700)
+            os.chown(c.work_dir / user, entry.pw_uid, entry.pw_gid)
         yield c
 
 
@@ -118,7 +126,7 @@ async def test_jobs_run_as_each_tenants_cluster_user(ood: OODAdapter, cluster: m
         assert job.user == user and job.uid == pwd.getpwnam(user).pw_uid, (
             "submitted over SSH as the mapped user"
         )
-        out = cluster.work_dir / f"{job.name}.o{job.number}"
+        out = cluster.work_dir / user / f"{job.name}.o{job.number}"  # the user's own directory, 0700
         assert out.read_text().strip() == user and os.stat(out).st_uid == job.uid, "and ran as that user"
         assert outcome.usage is not None and outcome.usage.final
         assert outcome.usage.scheduler_job_id == outcome.submitted.scheduler_job_id
@@ -260,3 +268,31 @@ async def test_outages_are_unavailable_not_state_changes(
     assert status[submitted.scheduler_job_id].state in (JobState.QUEUED, JobState.RUNNING)
     assert not status["no-slash"].found and not status["u/x/y"].found
     await ood.cancel(submitted.scheduler_job_id)
+
+
+async def test_a_link_in_place_of_a_users_directory_refuses_its_job_and_only_its_job(
+    ood: OODAdapter, cluster: ms.MoabCluster
+) -> None:
+    """Each user's output goes to ``<work_dir>/<user>``, checked before every submission: a link left there,
+    pointing at a directory another user reads, refuses that user's job (msub never runs); the other user's job
+    runs. (Before, every user's output went to the work dir itself, which all of them could write.)"""
+    victim = cluster.work_dir / USERS[1]
+    moved = cluster.work_dir.parent / f"moved-{uuid.uuid4().hex[:6]}"
+    victim.rename(moved)
+    spy = cluster.home / f"spy-{uuid.uuid4().hex[:6]}"
+    spy.mkdir(mode=0o777)
+    spy.chmod(0o777)
+    victim.symlink_to(spy)
+    try:
+        wf = ms.workflow_id("ood-linked")
+        with pytest.raises(SubmissionRejected, match="is a symbolic link") as caught:
+            await ood.submit(SubmitRequest(workflow_id=wf, job=ms.spec(wf, "id -un\n", tenant=BOB), body="x"))
+        assert caught.value.code == "work_dir_unsafe"
+        assert not [j for j in cluster.moab.jobs.values() if claimed_workflow(j.name) == wf]
+        wf = ms.workflow_id("ood-goes-on")
+        outcome = await ms.run_job(ood, wf, ms.spec(wf, "id -un\n", tenant=ALICE))
+        assert outcome.final.state == JobState.COMPLETED
+        assert list(spy.iterdir()) == []
+    finally:
+        victim.unlink()
+        moved.rename(victim)

@@ -671,7 +671,7 @@ class AccountExecutors:
         self.user = user
         self._factory = factory
         self._accounts: dict[str, CommandExecutor] = {}
-        self.dirs = dirs or remote_tenant_dirs(self._stat, user)
+        self.dirs = dirs or remote_tenant_dirs(self.stat, user)
 
     def get(self, account: str | None) -> CommandExecutor:
         if account is None or account == self.user:
@@ -689,7 +689,7 @@ class AccountExecutors:
         """``<work_dir>/<account>`` once it is the account's own private directory (``workdir.TenantDirs``)."""
         return await self.dirs.ensure(work_dir, account)
 
-    async def _stat(self, argv: list[str]) -> tuple[int, str]:
+    async def stat(self, argv: list[str]) -> tuple[int, str]:
         """``stat`` as the provider's own account: exit 1 names a path that does not exist, an answer."""
         result = await self.own.run(
             argv, what="stat of the work directory", ok=lambda r: r.exit_code in (0, 1)

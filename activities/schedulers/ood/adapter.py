@@ -32,6 +32,8 @@ from activities.schedulers.base import (
     register,
     registered,
 )
+from activities.schedulers.batch.base import AccountExecutors
+from activities.schedulers.batch.workdir import TenantDirs, remote_lstat
 from activities.schedulers.ood.oidc import OIDCClient
 from activities.tenant_accounts import TenantAccounts
 from virtengine_hpc.config import Config, OODConfig, Secrets, TenantsConfig
@@ -141,7 +143,11 @@ class OODAdapter(SchedulerAdapter):
         if adapter is None:
             section = getattr(self.config.hpc, self.underlying)
             key = _user_key(self.underlying, getattr(section, "transport", None))
-            update = {key: user} if key else {}
+            update: dict[str, object] = {key: user} if key else {}
+            if (
+                getattr(section, "work_dir", None) is not None
+            ):  # each user's own directory, never a shared one
+                update["work_dir"] = section.work_dir / user
             # The underlying adapter acts as this one user: the tenant mapping was applied here already.
             as_user = self.config.model_copy(
                 update={
@@ -183,7 +189,10 @@ class OODAdapter(SchedulerAdapter):
         if request.known_job_id is not None:  # the scheduler under OOD knows the job by its native id
             known_user, native, _ = split_id(request.known_job_id)
             request = request.model_copy(update={"known_job_id": native if known_user == user else None})
-        result = await self.adapter_for(user).submit(
+        adapter = self.adapter_for(user)
+        if request.job.working_directory is None:
+            await self._check_dir(adapter, user)
+        result = await adapter.submit(
             request, on_submitted=(lambda native: on_submitted(full(native))) if on_submitted else None
         )
         return SubmitResult(
@@ -191,6 +200,21 @@ class OODAdapter(SchedulerAdapter):
             adopted=result.adopted,
             duplicates_cancelled=[full(native) for native in result.duplicates_cancelled],
         )
+
+    async def _check_dir(self, adapter: SchedulerAdapter, user: str) -> None:
+        """The user's job directory ``<work_dir>/<user>`` is the user's own, 0700, in a ``work_dir`` owned by root
+        or the provider's account (``batch.workdir``), checked through the user's own login before every
+        submission: outputs in a directory every user writes could be taken by a link another user planted under
+        a name it read in the queue. Transports with no view of the file system (MWS, slurmrestd) leave it to
+        the operator."""
+        section = getattr(self.config.hpc, self.underlying)
+        work_dir = getattr(section, "work_dir", None)
+        executors = getattr(getattr(adapter, "backend", None), "executors", None)
+        if work_dir is None or not isinstance(executors, AccountExecutors):
+            return
+        provider = getattr(section, "ssh_user", None)
+        trusted = {"root", provider} if provider else {"root"}
+        await TenantDirs(remote_lstat(executors.stat), trusted=trusted).ensure(str(work_dir), user)
 
     async def find(self, workflow_id: str, tenant: str | None = None) -> str | None:
         """The job of ``workflow_id`` under ``tenant``'s own cluster user only (a job under another mapped user
