@@ -21,8 +21,11 @@ queue no worker polls: they stay open and hold their slot, so the figures are th
 
 * **A flood of cancels**: one tenant cancels ``--cancel-flood`` of its pending jobs (no workflow yet: each cancel
   is a signal answered "not found", a lookup, a start with the cancel in it and an audit record), then another
-  tenant cancels its job whose workflow runs. One round of the cancellation loop; printed: how many cancels were
-  forwarded before the other tenant's, how long it waited, and how long the whole round took.
+  tenant cancels its job whose workflow runs; once 100 workflows have been signalled, a third cancel (of another
+  running job) is requested. One round of the cancellation loop; printed: how many cancels were forwarded before
+  the other tenant's, how long it waited, how long after its request the third cancel was forwarded in that round
+  (null: not in the round at all), and how long the whole round took. ``OneReading`` is today's loop as it was
+  when it read the chain's list once per round.
 
 "Before" is the poller as it was (``ListingPoller`` below, kept here): it listed every running workflow of the
 cluster each poll, started jobs one at a time, and had no lease; its cancellation loop (``SerialCancels``) took
@@ -111,6 +114,14 @@ class SerialCancels(ChainPoller):
                 stats.cancelled.append(job_id)
 
 
+class OneReading(ChainPoller):
+    """Today's cancellation loop as it was before it read the chain's list again within a round: it read the list
+    once, at the round's start, so a cancel requested during the round waited for the whole round."""
+
+    async def _forward_cancellations(self, stats: PollStats) -> None:
+        await self._forward_batch(await self._cancels_to_forward(stats), stats)
+
+
 class CountingClient:
     """The real client, counting the job workflow starts that succeed."""
 
@@ -119,6 +130,9 @@ class CountingClient:
         self.started: list[str] = []
         self.first: float | None = None  # perf_counter of the first start
         self.signalled: dict[str, float] = {}  # perf_counter of each workflow's first signal sent through it
+        self.on_signal: Any = (
+            None  # called with the number of workflows signalled so far, after each first signal
+        )
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.client, name)
@@ -132,19 +146,23 @@ class CountingClient:
         return handle
 
     def get_workflow_handle(self, workflow_id: str, **kwargs: Any) -> Any:
-        return _SignalTimes(self.client.get_workflow_handle(workflow_id, **kwargs), self.signalled)
+        return _SignalTimes(self.client.get_workflow_handle(workflow_id, **kwargs), self)
 
 
 class _SignalTimes:
-    def __init__(self, handle: Any, signalled: dict[str, float]) -> None:
+    def __init__(self, handle: Any, counting: CountingClient) -> None:
         self.handle = handle
-        self.signalled = signalled
+        self.counting = counting
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.handle, name)
 
     async def signal(self, *args: Any, **kwargs: Any) -> Any:
-        self.signalled.setdefault(self.handle.id, time.perf_counter())
+        signalled = self.counting.signalled
+        if self.handle.id not in signalled:
+            signalled[self.handle.id] = time.perf_counter()
+            if self.counting.on_signal is not None:
+                self.counting.on_signal(len(signalled))
         return await self.handle.signal(*args, **kwargs)
 
 
@@ -292,33 +310,58 @@ async def churn(
     }
 
 
+LATE_AFTER = 100
+"""The cancel flood's third cancel is requested once this many workflows have been signalled in the round."""
+
+
 async def cancel_flood(kind: type[ChainPoller], base: Path, key: Path, flood: int) -> dict[str, Any]:
     """One round of the cancellation loop: ``flood`` cancels of one tenant's pending jobs, requested first, then
     another tenant's cancel of a running job. On a dev server of its own."""
     env = await dev_server()
     try:
         address = env.client.service_client.config.target_host
-        config = cluster_config(base / f"cancel-{kind.__name__}", address, 1)
+        config = cluster_config(base / f"cancel-{kind.__name__}", address, 2)
         ledger = setup_ledger(config, Signer.from_file(key))
-        [victim] = fill(ledger, config, 1)
+        victim, late = fill(ledger, config, 2)
         counting = CountingClient(env.client)
         poller = make_poller(kind, counting, ledger, config, holder=f"cancel-{kind.__name__}")
-        assert (await poller.take_jobs()).started == [victim]  # its workflow runs (the one slot)
+        assert (await poller.take_jobs()).started == [victim, late]  # their workflows run (both slots)
+        requested: list[float] = []
+
+        def cancel_late(
+            signalled: int,
+        ) -> None:  # a third cancel, of a running job, while the flood is forwarded
+            if signalled == LATE_AFTER:
+                ledger.request_cancel(late)
+                requested.append(time.perf_counter())
+
+        counting.on_signal = cancel_late
         jobs = fill(ledger, config, flood, tenant="flooding-tenant")
         for job_id in jobs:
             ledger.request_cancel(job_id)
         ledger.request_cancel(victim)
-        SerialCancels.order = {job_id: n for n, job_id in enumerate([*jobs, victim])}
+        SerialCancels.order = {job_id: n for n, job_id in enumerate([*jobs, victim, late])}
+        stop = asyncio.Event()
+        keeper = asyncio.create_task(
+            poller.lease.keep(stop)
+        )  # as in the poller's run(): a round may outlast a term
         t0 = time.perf_counter()
         stats = await poller.forward_cancellations()
         total = time.perf_counter() - t0
-        assert len(stats.cancelled) == flood + 1, len(stats.cancelled)
+        stop.set()
+        await keeper
+        assert len(stats.cancelled) >= flood + 1, len(stats.cancelled)
         at = counting.signalled[victim]
+        late_at = counting.signalled.get(late)
         return {
             "cancel_loop": kind.__name__,
             "flood": flood,
             "forwarded_before_the_other_tenants": sum(1 for t in counting.signalled.values() if t < at),
             "other_tenants_cancel_after_s": round(at - t0, 2),
+            # requested after the round's 100th signal: forwarded this long after, or not in the round at all
+            "cancel_requested_in_the_round_after_s": None
+            if late_at is None
+            else round(late_at - requested[0], 2),
             "whole_round_s": round(total, 1),
         }
     finally:
@@ -339,7 +382,7 @@ async def main() -> None:
     base = Path(tempfile.mkdtemp(prefix="vehpc-intake-"))
     key = base / "provider.key"
     write_private_key(key)
-    for kind in (SerialCancels, ChainPoller):
+    for kind in (SerialCancels, OneReading, ChainPoller):
         print(json.dumps(await cancel_flood(kind, base, key, args.cancel_flood)), flush=True)
     if args.only_cancels:
         return
