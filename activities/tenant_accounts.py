@@ -86,6 +86,15 @@ class AssignmentStore:
             row = conn.execute("SELECT tenant FROM assignments WHERE account = ?", (account,)).fetchone()
         return None if row is None else str(row[0])
 
+    def release(self, tenant: str) -> str | None:
+        """Delete ``tenant``'s assignment (the operator's decision); the account it held, if any."""
+        with self._connect() as conn:
+            conn.execute("BEGIN IMMEDIATE")
+            row = conn.execute("SELECT account FROM assignments WHERE tenant = ?", (tenant,)).fetchone()
+            conn.execute("DELETE FROM assignments WHERE tenant = ?", (tenant,))
+            conn.execute("COMMIT")
+        return None if row is None else str(row[0])
+
     def get(self, tenant: str) -> str | None:
         with self._connect() as conn:
             row = conn.execute("SELECT account FROM assignments WHERE tenant = ?", (tenant,)).fetchone()
@@ -136,15 +145,21 @@ class TenantAccounts:
 
     @classmethod
     def from_config(cls, config: Config) -> TenantAccounts:
+        accounts = cls.unchecked(config)
+        accounts.check_all()
+        return accounts
+
+    @classmethod
+    def unchecked(cls, config: Config) -> TenantAccounts:
+        """The mapping as configured, without the start checks (``virtengine-hpc tenants`` repairs what they
+        refuse)."""
         tenants = config.hpc.tenants
         rules = TenantRules.from_config(tenants)
         store = None
         path = tenants.assignments_path or config.state_dir / "tenant-accounts.db"
         if rules.isolated and (rules.pool or path.exists()):  # a pool emptied since still holds its tenants
             store = AssignmentStore(path)
-        accounts = cls(rules, store)
-        accounts.check_all()
-        return accounts
+        return cls(rules, store)
 
     @classmethod
     def shared(cls) -> TenantAccounts:
@@ -308,5 +323,5 @@ def _shared_message(account: str, fixed_for: str, pooled_to: str, path: str) -> 
         f"account {account} is fixed for tenant {fixed_for} in hpc.tenants.accounts, but the pool gave it to tenant "
         f"{pooled_to} ({path}): two tenants would share one account (each could read the other's files and cancel "
         f"its jobs). Give {fixed_for} another account, or, once {pooled_to}'s jobs have ended and its files are "
-        f"gone, delete {pooled_to}'s row from {path}"
+        f"gone, release it from {pooled_to} (virtengine-hpc tenants release {pooled_to}; {path})"
     )

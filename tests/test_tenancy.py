@@ -6,6 +6,7 @@ tests/test_moab_adapter.py; this module covers what every scheduler relies on.
 
 from __future__ import annotations
 
+import json
 import multiprocessing
 import pwd
 import re
@@ -13,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from activities.tenant_accounts import AssignmentStore, TenantAccounts
 from tests.local_support import running_as_root
@@ -311,3 +313,31 @@ def test_a_pool_account_in_use_on_the_cluster_is_never_handed_to_a_new_tenant(tm
     assert worker_b.account_for(Z, submit_account="hpcuser") == "vehpc-t2"
     with pytest.raises(TenantAccountError, match=re.escape("all 2 accounts of hpc.tenants.pool are taken")):
         worker_b.account_for("virtengine1tenanty", submit_account="hpcuser")
+
+
+def test_the_operator_releases_a_pool_assignment_to_move_its_account_to_another_tenant(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The remedy the start refusal names: ``virtengine-hpc tenants release X`` once X's jobs ended and its files
+    are gone; then the worker starts, Z runs as the account and X gets another one from the pool."""
+    from virtengine_hpc.cli import main
+
+    TenantAccounts.from_config(config(tmp_path, pool=["vehpc-t1", "vehpc-t2"])).account_for(
+        X, submit_account=None
+    )
+    moved = {"accounts": {Z: "vehpc-t1"}, "pool": ["vehpc-t2"]}
+    path = tmp_path / "config.yaml"
+    path.write_text(
+        yaml.safe_dump({"hpc": {"job_service": {"state_store_path": str(tmp_path)}, "tenants": moved}})
+    )
+    assert main(["-c", str(path), "tenants", "list", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out) == [
+        {"tenant": Z, "account": "vehpc-t1", "source": "accounts"},
+        {"tenant": X, "account": "vehpc-t1", "source": "pool"},
+    ]
+    assert main(["-c", str(path), "tenants", "release", X]) == 0
+    assert f"released vehpc-t1 from tenant {X}" in capsys.readouterr().out
+    assert main(["-c", str(path), "tenants", "release", X]) == 2, "nothing left to release: a clear error"
+    after = TenantAccounts.from_config(config(tmp_path, **moved))
+    assert after.account_for(Z, submit_account=None) == "vehpc-t1"
+    assert after.account_for(X, submit_account=None) == "vehpc-t2"

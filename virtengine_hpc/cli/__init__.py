@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from virtengine_hpc.cli.common import exit_process, run
 
 # Areas in the order ``--help`` lists them. A module that is missing (an optional area) is skipped.
-AREAS = ("worker", "jobs", "ledger", "usage", "audit", "templates", "nodes", "status", "dev")
+AREAS = ("worker", "jobs", "ledger", "usage", "audit", "templates", "nodes", "tenants", "status", "dev")
 
 
 def build_parser() -> argparse.ArgumentParser:
