@@ -90,6 +90,34 @@ async def test_a_job_whose_id_a_node_workflow_holds_is_refused_not_left_pending(
         await node.terminate("test")
 
 
+async def test_a_cancelled_job_whose_id_a_node_workflow_holds_is_refused_not_left_pending(
+    pipe: Pipeline, client: Client
+) -> None:
+    """The tenant has cancelled it too: the cancellation loop's signal reaches the node's workflow (which has no use
+    for it), and the intake, which leaves cancelled jobs to that loop, still looks at it once it was signalled:
+    refused on chain, not pending for ever with its escrow held."""
+    queue = idle_queue()
+    job_id = f"node-{pipe.cluster_id}-n{uuid.uuid4().hex[:6]}"  # a node workflow id of an earlier release
+    node = await client.start_workflow("NodeWorkflow", id=job_id, task_queue=queue)
+    try:
+        pipe.submit(job_id=job_id)
+        pipe.ledger.request_cancel(job_id)
+        poller = ChainPoller(
+            client,
+            pipe.ledger,
+            pipe.config,
+            pipe.deps.audit,
+            task_queue=queue,
+            settings=job_settings(pipe.config),
+        )
+        stats = await poller.poll_once()
+        job = pipe.ledger.job(job_id)
+        assert job is not None and job.state == JobState.FAILED, f"chain says {job}; poll {stats}"
+        assert "taken by a NodeWorkflow workflow" in job.status_message
+    finally:
+        await node.terminate("test")
+
+
 class _AnotherPollerStartsIt:
     """The ledger as poller A sees it while poller B starts the job's workflow between A's describe (no workflow
     yet) and A's read of the chain."""

@@ -261,8 +261,9 @@ class ChainPoller:
             seen += [job.job_id for job in page]
             # A job its tenant has cancelled is the cancellation loop's: it starts the job's workflow with the cancel
             # in it (nothing submitted, no slot taken). Started here, the job would be submitted, run and be billed
-            # before that loop's next round signalled the cancel.
-            wanted = [job for job in page if not job.cancel_requested]
+            # before that loop's next round signalled the cancel. Once that loop has signalled it, a run holds its
+            # id: it is looked at here as any other (a run of another kind, or a closed one, is found that way).
+            wanted = [job for job in page if not job.cancel_requested or job.job_id in self._signalled]
             ask = [job.job_id for job in wanted if job.job_id not in held and job.job_id not in self._taken]
             running, _ = await self.reconciler.visible(ask)
             self._taken |= running
