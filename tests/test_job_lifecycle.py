@@ -699,3 +699,70 @@ async def test_a_parked_job_continues_as_new_while_it_waits_and_a_retry_settles_
     assert result.state == C and result.charged is not None
     assert [r.is_final for r in faulty.ledger.usage_records(job_id)].count(True) == 1
     assert faulty.ledger.settlement(job_id) is not None
+
+
+async def test_cancel_of_a_job_that_continued_as_new_while_parked_ends_it_as_it_ended(
+    faulty: Pipeline,
+) -> None:
+    """Parked on its terminal report (settled, the chain refusing ``completed``), the job continues as new while it
+    waits. The operator then presses Cancel on the new run: the job still ends as it really ended (completed), with
+    one final record and its settlement untouched."""
+    faulty.poller.settings = faulty.poller.settings.model_copy(
+        update={"max_watch_seconds": 1.0, "continue_as_new_after_events": 1}
+    )
+    sched(faulty).default = Script([(0, Q), (0.2, R), (1.5, C)], exit_code=0)
+    chain(faulty).refuse_status[C] = ChainError("chain refuses completed", transient=False)
+    job_id = faulty.submit()
+    await wait_for(faulty, job_id, lambda v: v.parked is not None, timeout=40)
+    parked_run = (await faulty.handle(job_id).describe()).run_id
+    settled = faulty.ledger.settlement(job_id)
+    assert settled is not None
+    deadline = time.monotonic() + 30
+    while (await faulty.handle(job_id).describe()).run_id == parked_run:
+        assert time.monotonic() < deadline, "a parked job never continued as new"
+        await asyncio.sleep(0.3)
+
+    chain(faulty).refuse_status.clear()
+    await faulty.handle(job_id).cancel()
+
+    assert await closed(faulty, job_id) == WorkflowExecutionStatus.COMPLETED
+    result = await faulty.handle(job_id).result()
+    job = faulty.ledger.job(job_id)
+    assert job is not None and job.state == C and result.state == C, "it ends as it really ended: completed"
+    records = faulty.ledger.usage_records(job_id)
+    assert [r.is_final for r in records].count(True) == 1
+    assert [r.sequence for r in records] == list(range(1, len(records) + 1))
+    assert faulty.ledger.settlement(job_id) == settled
+
+
+async def test_cancel_of_a_job_that_continued_as_new_while_parked_on_its_accounting_settles_it_once(
+    faulty: Pipeline,
+) -> None:
+    """Parked because the chain refused its accounting (the final record is on chain), the job continues as new
+    while it waits; the operator fixes the chain and presses Cancel on the new run. The job settles on the final
+    record it sent, ends completed, and no record follows the final one. (Before, the cancel sent the new run back
+    to its drive loop, whose watch sent a period record under the final record's sequence and then one after it,
+    refused: the job never settled and stayed running on chain.)"""
+    faulty.poller.settings = faulty.poller.settings.model_copy(
+        update={"max_watch_seconds": 1.0, "continue_as_new_after_events": 1}
+    )
+    sched(faulty).default = Script([(0, Q), (0.2, R), (1.5, C)], exit_code=0)
+    chain(faulty).refuse_accounting = ChainError("accounting rejected: totals mismatch", transient=False)
+    job_id = faulty.submit()
+    await wait_for(faulty, job_id, lambda v: v.parked is not None, timeout=40)
+    parked_run = (await faulty.handle(job_id).describe()).run_id
+    deadline = time.monotonic() + 30
+    while (await faulty.handle(job_id).describe()).run_id == parked_run:
+        assert time.monotonic() < deadline, "a parked job never continued as new"
+        await asyncio.sleep(0.3)
+
+    chain(faulty).refuse_accounting = None
+    await faulty.handle(job_id).cancel()
+
+    assert await closed(faulty, job_id) == WorkflowExecutionStatus.COMPLETED
+    job = faulty.ledger.job(job_id)
+    assert job is not None and job.state == C, "it ends as it really ended: completed"
+    records = faulty.ledger.usage_records(job_id)
+    assert [r.sequence for r in records] == list(range(1, len(records) + 1))
+    assert [r.is_final for r in records] == [False] * (len(records) - 1) + [True], "the final record is last"
+    assert faulty.ledger.settlement(job_id) is not None

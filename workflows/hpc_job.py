@@ -108,6 +108,10 @@ PATCH_WALLTIME_ACROSS_REQUEUES = "walltime-across-requeues"
 """A requeued job goes on with the walltime its earlier runs left: the count started again at every requeue, so a
 job that requeued itself (``scontrol requeue $SLURM_JOB_ID``) before its limit ran for ever, every run past its
 escrow unpaid (settlement never charges more than the escrow)."""
+PATCH_RESUMED_PARK_FINISHES = "resumed-park-cancel-finishes"
+"""A cancel of a job parked on its finish path in a run that continued a parked one goes on finishing it: it went
+back to the drive loop, whose watch sent a period record after the final one already on chain, and the job never
+settled (every final record after it refused)."""
 CANCEL_BACKOFF_CAP = timedelta(minutes=5)
 _MIN_TIMER = timedelta(milliseconds=100)
 _DONE = object()
@@ -305,11 +309,22 @@ class HPCJobWorkflow:
             self.recovered = True
         if self.c.parked is not None:
             # This run continued a parked one (onto a fresh history or a new build): it waits as that one did.
-            await self._park(self.c.parked, resumed=True)
+            await self._resume_parked(self.c.parked)
             if self.c.final_state is not None and not self.c.state.final:
                 # It was parked while finishing: finish as decided then (a watch could report usage again).
                 await self._finish(self.c.final_state, self.c.final_message, partial=self.c.final_partial)
         await self._drive()
+
+    async def _resume_parked(self, why: str) -> None:
+        """Wait parked as the run this one continued did. A cancel while it was parked on its finish path is a
+        cancel of that finish path, as in the run it continued (``_until_done``): the job goes on finishing as
+        decided, and only a cancel of a job parked elsewhere goes back to the drive loop."""
+        try:
+            await self._park(why, resumed=True)
+        except asyncio.CancelledError:
+            if self.c.final_state is None or not workflow.patched(PATCH_RESUMED_PARK_FINISHES):
+                raise
+            self._on_workflow_cancel()
 
     def _on_workflow_cancel(self) -> None:
         """A Temporal cancel is a provider cancel: the scheduler job is cancelled and the job finishes as usual."""
