@@ -75,11 +75,13 @@ class Attempt:
         *,
         started: datetime | None = None,
         timeouts: tuple[timedelta | None, ...] = (),
+        rescheduled: bool = False,
     ) -> None:
         self.number = number
         self.activity_type = activity_type
         self.progress = progress
         self.resumed = progress != AttemptProgress()
+        self.rescheduled = rescheduled
         self._started = started
         self._timeouts = [t for t in timeouts if t]
 
@@ -93,12 +95,15 @@ class Attempt:
             _resume(info.heartbeat_details),
             started=info.started_time,
             timeouts=(info.heartbeat_timeout, info.start_to_close_timeout),
+            rescheduled=_rescheduled(info),
         )
 
     @property
     def first(self) -> bool:
-        """No earlier attempt ran: nothing this activity does can have been done before."""
-        return self.number == 1 and not self.resumed
+        """No earlier attempt ran: nothing this activity does can have been done before. An attempt 1 whose
+        attempt was scheduled after the activity itself (``rescheduled``) is not the first: an operator's
+        ``temporal activity reset`` starts the count over after other attempts ran."""
+        return self.number == 1 and not self.resumed and not self.rescheduled
 
     @property
     def alone_until(self) -> datetime | None:
@@ -135,6 +140,15 @@ class Attempt:
             activity.heartbeat()
         else:
             activity.heartbeat(self.progress)
+
+
+def _rescheduled(info: activity.Info) -> bool:
+    """The current attempt was scheduled later than the activity: attempts ran before it, whatever its number says
+    (``temporal activity reset`` sets it back to 1, e.g. after ``temporal activity pause`` stopped one)."""
+    if info.is_local:  # no operator resets a local activity; its retries count on
+        return False
+    scheduled, current = info.scheduled_time, info.current_attempt_scheduled_time
+    return scheduled is not None and current is not None and current != scheduled
 
 
 def _resume(details: Any) -> AttemptProgress:

@@ -422,6 +422,45 @@ async def test_a_first_attempt_past_its_window_checks_and_yields_to_its_retrys_j
         sc.cancel_test_jobs(env, "attempts-zombie")
 
 
+@pytest.mark.slurm
+async def test_attempt_one_after_an_operators_reset_of_a_paused_submit_looks_first(
+    tmp_path: Path, key_path: Path
+) -> None:
+    """``temporal activity pause`` cancels a running submit attempt (its ``sbatch`` may already have made the job)
+    and ``temporal activity reset`` then starts the activity over as attempt 1, without heartbeat details if the
+    paused attempt had recorded none (checked on the dev server: attempt 1, empty details, its
+    ``current_attempt_scheduled_time`` later than the activity's ``scheduled_time``). That attempt is not the
+    first: it looks the job up and adopts it instead of submitting a second one without a lookup or check."""
+    env = sc.cluster()
+    adapter = sc.adapter(env, "cli", hold=True)
+    config = make_config(tmp_path)
+    deps = build_worker_deps(
+        config, Secrets(provider_signing_key_path=key_path), adapters={config.hpc.cluster_id: adapter}
+    )
+    wf = sc.workflow_id("attempts-reset")
+    job = sc.on_chain(config, sc.spec(wf, "echo never\n"))
+    request = SubmitInput(workflow_id=wf, job=job, cluster_id=config.hpc.cluster_id)
+    try:
+        paused = await adapter.submit(SubmitRequest(workflow_id=wf, job=job, body="echo never\n"))
+        now = datetime.now(UTC)
+        after_reset = ActivityEnvironment()
+        after_reset.info = dataclasses.replace(
+            after_reset.info,
+            attempt=1,
+            scheduled_time=now - timedelta(seconds=40),
+            current_attempt_scheduled_time=now,
+            started_time=now,
+            heartbeat_timeout=timedelta(seconds=30),
+            start_to_close_timeout=timedelta(seconds=300),
+        )
+        answer = await after_reset.run(deps.activities.submit_job, request)
+        assert answer == SubmitOutput(scheduler_job_id=paused.scheduler_job_id, adopted=True)
+        assert list(controller_states(env, wf)) == [paused.scheduler_job_id], "no second Slurm job"
+    finally:
+        await deps.close()
+        sc.cancel_test_jobs(env, "attempts-reset")
+
+
 def test_only_a_first_attempt_runs_alone_and_only_for_half_its_shortest_timeout() -> None:
     """The window in which no retry can have started: the attempt's start (server clock) plus half of its
     shortest timeout; none for a retry, for a first attempt resumed from details, or without any timeout."""
@@ -434,6 +473,12 @@ def test_only_a_first_attempt_runs_alone_and_only_for_half_its_shortest_timeout(
     assert Attempt(1, "submit_job", resumed, started=start, timeouts=timeouts).alone_until is None
     assert (
         Attempt(1, "submit_job", AttemptProgress(), started=start, timeouts=(None, None)).alone_until is None
+    )
+    rescheduled = Attempt(
+        1, "submit_job", AttemptProgress(), started=start, timeouts=timeouts, rescheduled=True
+    )
+    assert rescheduled.alone_until is None and not rescheduled.first, (
+        "attempt 1 again after an operator's reset"
     )
     ahead = datetime.now(UTC) + timedelta(seconds=8)
     assert (
