@@ -92,9 +92,23 @@ async def wait_view(p: Pipeline, job_id: str, check: Any, timeout: float = 90) -
 
 async def reset_to_first_workflow_task(client: Client, job_id: str) -> str:
     """What the Web UI's Reset (to the first workflow task) does; the new run's id."""
+    return await reset_to(client, job_id, before_activity=None)
+
+
+async def reset_to(client: Client, job_id: str, *, before_activity: str | None) -> str:
+    """Reset to the first workflow task, or to the workflow task that scheduled ``before_activity`` (the run
+    replayed up to that point finds the activity scheduled and runs it again); the new run's id."""
     handle = client.get_workflow_handle(job_id)
     completed = EventType.EVENT_TYPE_WORKFLOW_TASK_COMPLETED
-    first_task = [e.event_id async for e in handle.fetch_history_events() if e.event_type == completed]
+    first_task: list[int] = []
+    async for e in handle.fetch_history_events():
+        if e.event_type == completed:
+            first_task.insert(0, e.event_id)  # the latest workflow task first
+        scheduled = e.activity_task_scheduled_event_attributes.activity_type.name
+        if before_activity is None and first_task:
+            break
+        if before_activity is not None and scheduled == before_activity:
+            break
     run_id = (await handle.describe()).run_id
     answer = await client.workflow_service.reset_workflow_execution(
         ResetWorkflowExecutionRequest(
@@ -155,3 +169,29 @@ async def test_a_reset_of_a_settled_job_runs_nothing_again(pipe: Pipeline, clust
     assert pipe.ledger.job(job_id).state == JobState.COMPLETED  # type: ignore[union-attr]
     assert not pipe.audit_events("job_parked", job_id), "no operator is called for a job that has ended"
     assert len(pipe.audit_events("job_submitted", job_id)) == 1
+
+
+async def test_a_reset_to_the_task_that_scheduled_the_submit_takes_over_the_running_job(
+    pipe: Pipeline, cluster: ms.MoabCluster
+) -> None:
+    """Reset to the workflow task that scheduled ``submit_job``: the new run finds the submit scheduled in the
+    history it keeps and runs it again, as attempt 1 with the input the replaced run gave it. It still takes over
+    the job that run submitted: one scheduler job, every record a reading of it, settled."""
+    job_id = pipe.submit(script="sleep 20\n")
+    await pipe.wait_started(job_id)
+    before = await wait_view(
+        pipe, job_id, lambda v: v.state == JobState.RUNNING and v.usage_records >= 1 and v.scheduler_job_id
+    )
+    new_run = await reset_to(pipe.client, job_id, before_activity="submit_job")
+    after = await wait_view(pipe, job_id, lambda v: v.scheduler_job_id is not None, timeout=60)
+    assert (await pipe.handle(job_id).describe()).run_id == new_run
+
+    results = await pipe.run_until_done([job_id], timeout=180)
+
+    assert after.scheduler_job_id == before.scheduler_job_id, "the reset run took over the running job"
+    assert jobs_of(cluster, job_id) == [before.scheduler_job_id], "one scheduler job for the chain job"
+    assert results[job_id].state == JobState.COMPLETED, results[job_id].message
+    records = pipe.ledger.usage_records(job_id)
+    assert [r.sequence for r in records] == list(range(1, len(records) + 1))
+    assert {r.scheduler_job_id for r in records} == {before.scheduler_job_id}, "every reading of that one job"
+    assert pipe.ledger.settlement(job_id) is not None
