@@ -122,6 +122,77 @@ async def test_a_poller_takes_over_the_intake_when_the_holder_stops(pipe: Pipeli
         await terminate_all(client, [lease_id(pipe.cluster_id, t) for t in (first, first + 1)])
 
 
+async def test_two_loops_taking_the_term_at_once_both_wait_the_settle_time(
+    pipe: Pipeline, client: Client
+) -> None:
+    """The poller's loops (intake, cancellations, renewal) refresh one lease side by side. At a takeover, the one
+    whose start of the term's workflow lost (already started, by this process) held the term at once, while the
+    winner was still asking who held the term before: for that moment ``valid()`` said the new holder could start
+    jobs without the settle time. Here the winner's question is held up until the other has answered."""
+    now = [1_900_000_000.0]
+    term = timedelta(seconds=30)
+    first = int(now[0] // 30)
+    slow = _SlowDescribe(client, lease_id(pipe.cluster_id, first))
+    a = IntakeLease(client, pipe.cluster_id, term=term, holder="a", clock=lambda: now[0])
+    b = IntakeLease(cast(Client, slow), pipe.cluster_id, term=term, holder="b", clock=lambda: now[0])
+    try:
+        assert await a.refresh(), "a holds the first term, then dies"
+        now[0] = (first + 1) * 30 + 1
+        answers = await asyncio.gather(b.refresh(), slow.after_release(b.refresh()))
+        assert answers == [False, False], "both wait the settle time"
+        now[0] = (first + 1) * 30 + SETTLE_SECONDS
+        assert b.valid()
+    finally:
+        await terminate_all(client, [lease_id(pipe.cluster_id, t) for t in (first, first + 1)])
+
+
+class _SlowDescribe:
+    """The real client; the first describe of workflow ``slow_id`` waits until a second caller has had its answer."""
+
+    def __init__(self, client: Client, slow_id: str) -> None:
+        self.client = client
+        self.slow_id = slow_id
+        self.started = asyncio.Event()  # a lease workflow was started through this client
+        self.released = asyncio.Event()
+        self.held_up = False
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.client, name)
+
+    async def start_workflow(self, *args: Any, **kwargs: Any) -> Any:
+        handle = await self.client.start_workflow(*args, **kwargs)
+        self.started.set()
+        return handle
+
+    def get_workflow_handle(self, workflow_id: str, **kwargs: Any) -> Any:
+        handle = self.client.get_workflow_handle(workflow_id, **kwargs)
+        if workflow_id != self.slow_id or self.held_up:
+            return handle
+        self.held_up = True
+        return _HeldDescribe(handle, self.released)
+
+    async def after_release(self, refresh: Any) -> bool:
+        """Run the second ``refresh`` once the first has started its term's workflow, then let the first go on."""
+        await self.started.wait()
+        try:
+            return bool(await refresh)
+        finally:
+            self.released.set()
+
+
+class _HeldDescribe:
+    def __init__(self, handle: Any, released: asyncio.Event) -> None:
+        self.handle = handle
+        self.released = released
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.handle, name)
+
+    async def describe(self) -> Any:
+        await self.released.wait()
+        return await self.handle.describe()
+
+
 class GatedStarts:
     """The real client, with every job workflow start held at a gate until the test opens it."""
 

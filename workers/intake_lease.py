@@ -94,7 +94,7 @@ class IntakeLease:
         term = self._term(now)
         self._held = {t for t in self._held if t >= term - 1}
         self._refused = {t for t in self._refused if t >= term}
-        self._settle &= self._held
+        self._settle = {t for t in self._settle if t >= term - 1}
         if term not in self._held and term not in self._refused:
             await self._take(term)
         if term in self._held and now - term * self.term >= self.term / 2 and term + 1 not in self._held:
@@ -115,7 +115,9 @@ class IntakeLease:
             )
         except WorkflowAlreadyStartedError:
             if await self._holder_of(wf_id) == self.holder:
-                self._held.add(term)  # ours: another poller of this process, or an answer we never got
+                await self._hold(
+                    term
+                )  # ours: another loop or poller of this process, or an answer we never got
             else:
                 self._refused.add(term)
             return
@@ -124,13 +126,18 @@ class IntakeLease:
                 "cannot take the intake lease %s: %s", wf_id, exc, extra={"cluster_id": self.cluster_id}
             )
             return
-        self._held.add(term)
+        await self._hold(term)
+        log.info("intake lease %s taken", wf_id, extra={"cluster_id": self.cluster_id})
+
+    async def _hold(self, term: int) -> None:
+        """Count ``term`` as held; one that follows another holder's term starts with the settle time. That is
+        decided first: the poller's loops refresh side by side, and none may see the term held without it."""
         if (
             term - 1 not in self._held
             and await self._holder_of(lease_id(self.cluster_id, term - 1)) is not None
         ):
             self._settle.add(term)
-        log.info("intake lease %s taken", wf_id, extra={"cluster_id": self.cluster_id})
+        self._held.add(term)
 
     async def _holder_of(self, wf_id: str) -> str | None:
         """The holder named by a lease workflow; ``None`` when there is none (or Temporal cannot say)."""
