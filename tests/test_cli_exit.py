@@ -3,11 +3,14 @@ teardown (a Temporal client's runtime threads could otherwise abort a finished c
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
+import yaml
 
 
 def _run(body: str) -> subprocess.CompletedProcess[str]:
@@ -111,3 +114,27 @@ def test_a_reader_that_goes_away_ends_the_command_quietly() -> None:
     )
     assert done.stdout == "line 0\n"
     assert done.stderr == "", done.stderr
+
+
+def test_worker_build_id_prints_the_id_the_upgrade_commands_name(tmp_path: Path) -> None:
+    """``temporal worker deployment ... --build-id "$(virtengine-hpc worker build-id)"``: the id the workers of this
+    installation register (by default the version and a digest of the workflow code), or the configured one."""
+    from virtengine_hpc.config import default_build_id
+
+    def build_id(temporal: dict[str, object]) -> subprocess.CompletedProcess[str]:
+        path = tmp_path / "config.yaml"
+        path.write_text(yaml.safe_dump({"temporal": temporal}))
+        return subprocess.run(
+            [sys.executable, "-m", "virtengine_hpc", "-c", str(path), "worker", "build-id"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+
+    default = build_id({})
+    assert default.returncode == 0, default.stderr
+    assert default.stdout == default_build_id() + "\n"
+    assert re.fullmatch(r"[0-9][0-9a-z.]*\+wf\.[0-9a-f]{12}\n", default.stdout)
+    assert build_id({"build_id": "site-7"}).stdout == "site-7\n"
+    unversioned = build_id({"deployment_name": None})
+    assert unversioned.returncode == 1 and "unversioned" in unversioned.stderr

@@ -1,4 +1,6 @@
-"""``virtengine-hpc worker run`` and ``virtengine-hpc poller run``: the long-running provider processes."""
+"""``virtengine-hpc worker run`` and ``virtengine-hpc poller run``: the long-running provider processes; ``worker
+build-id``: the build id this installation's workers register with (what an upgrade's ``temporal worker
+deployment`` commands name)."""
 
 from __future__ import annotations
 
@@ -16,6 +18,10 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     run.add_argument("--poller", action="store_true", help="also run the chain poller in this process")
     run.add_argument("--log-level", default="INFO")
     run.set_defaults(func=_run_worker)
+    build = wsub.add_parser(
+        "build-id", help="print the build id this installation's workers register in the Worker Deployment"
+    )
+    build.set_defaults(func=_print_build_id)
 
     poller = sub.add_parser("poller", help="run the chain poller alone")
     psub = poller.add_subparsers(dest="action", metavar="ACTION", required=True)
@@ -33,6 +39,16 @@ def _run_worker(args: argparse.Namespace) -> int:
 
     _logging(args.log_level)
     asyncio.run(run_worker(config_from_args(args), with_poller=args.poller))
+    return 0
+
+
+def _print_build_id(args: argparse.Namespace) -> int:
+    temporal = config_from_args(args).temporal
+    if temporal.deployment_name is None:
+        raise SystemExit(
+            "temporal.deployment_name is null: these workers are unversioned and register no build"
+        )
+    print(temporal.build_id)
     return 0
 
 
