@@ -115,9 +115,8 @@ class IntakeLease:
             )
         except WorkflowAlreadyStartedError:
             if await self._holder_of(wf_id) == self.holder:
-                await self._hold(
-                    term
-                )  # ours: another loop or poller of this process, or an answer we never got
+                # Ours: another loop or poller of this process, or an answer we never got.
+                await self._hold(term)
             else:
                 self._refused.add(term)
             return
