@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 from temporalio.client import Client
 
 from activities.schedulers.base import SubmitRequest
@@ -313,3 +314,36 @@ async def test_a_lost_assignments_file_does_not_hand_a_taken_pool_account_to_a_n
     finally:
         await worker_a.close()
         await worker_b.close()
+
+
+def test_release_refuses_an_account_whose_jobs_the_cluster_still_shows(
+    env: dict[str, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``tenants release X`` is how an operator moves X's pool account to another tenant, whose fixed account is
+    never checked against the cluster: released while X's job runs, the next tenant's jobs would run as the
+    same uid beside it (cancel it, read its outputs in the same directory). The command asks the cluster and
+    refuses, naming what it found; ``--force`` releases it anyway."""
+    from virtengine_hpc.cli import main
+
+    account = sc.tenant_accounts(env)[-1]
+    x = "virtengine1tenant0x"
+    AssignmentStore(tmp_path / "assignments.db").assign(x, TenantRules(pool=(account,)))
+    path = tmp_path / "config.yaml"
+    tenants = {"pool": [account], "assignments_path": str(tmp_path / "assignments.db")}
+    hpc = {"scheduler_type": "slurm", "cluster_id": "slurm-test", "slurm": sc.slurm_section(env, "cli")}
+    path.write_text(yaml.safe_dump({"hpc": {**hpc, "tenants": tenants}}))
+    monkeypatch.setenv("PROVIDER_MARKER_SECRET", sc.MARKER_SECRET)
+    job = sc.slurm_command(
+        env, ["runuser", "-u", account, "--", "sbatch", "--parsable", "--hold", "-t", "5", "-J", wid("release"),
+              "-o", "/dev/null", "--wrap", "sleep 600"],
+    ).strip()  # fmt: skip
+    try:
+        assert main(["-c", str(path), "tenants", "release", x]) == 2
+        err = capsys.readouterr().err
+        assert f"{account} of tenant {x} still has jobs" in err and "--force" in err, err
+        assert AssignmentStore(tmp_path / "assignments.db").all() == {x: account}, "nothing released"
+    finally:
+        sc.slurm_command(env, ["scancel", job])
+    assert main(["-c", str(path), "tenants", "release", x, "--force"]) == 0
+    assert f"released {account} from tenant {x}" in capsys.readouterr().out
+    assert AssignmentStore(tmp_path / "assignments.db").all() == {}

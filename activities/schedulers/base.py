@@ -191,6 +191,11 @@ class SchedulerAdapter(abc.ABC):
         Adapters that cannot list their jobs raise ``NotImplementedError``: the sweep is then off for them."""
         raise NotImplementedError(f"{self.name} cannot list its jobs")
 
+    async def accounts_in_use(self, accounts: Sequence[str]) -> dict[str, str]:
+        """Which of ``accounts`` the scheduler shows jobs of (account -> what shows it), the check made before a
+        pool account is handed out and before ``tenants release`` lets one go; empty where it cannot tell."""
+        return {}
+
     async def cancel_many(self, scheduler_job_ids: Sequence[str]) -> None:
         """Cancel several jobs (the sweep's findings); one call per job unless the scheduler takes a list."""
         for scheduler_job_id in scheduler_job_ids:

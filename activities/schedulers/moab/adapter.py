@@ -193,6 +193,9 @@ class MoabAdapter(BatchSchedulerAdapter):
                 self.tenants.hold_back(in_use, cluster_id=self.cluster_id)
         return await asyncio.to_thread(self.tenants.account_for, tenant, submit_account=self.backend.user)
 
+    async def accounts_in_use(self, accounts: Sequence[str]) -> dict[str, str]:
+        return await self.backend.users_with_jobs(list(accounts))
+
     @property
     def calls(self) -> dict[str, int]:
         """Scheduler queries made so far, by kind (``showq``, ``showq -c``, ``GET jobs``, ...)."""
