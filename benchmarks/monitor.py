@@ -256,7 +256,7 @@ async def run_design(
     write_private_key(key)
     data = config_data(base, env, address, args)
     if design.name == "new":
-        data["hpc"]["job_service"]["cluster_monitor"] = True  # opt-in (the old code has no such key)
+        data["hpc"]["job_service"]["cluster_monitor"] = True  # the default now; the old code has no such key
     config = load_config(data=data, env={})
     (base / "config.json").write_text(json.dumps(data))
     queue = f"bench-{design.name}-{uuid.uuid4().hex[:6]}"

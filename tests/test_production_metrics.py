@@ -139,10 +139,12 @@ async def test_counters_after_a_known_run(
     assert value(s, "virtengine_hpc_routing_decisions_total", outcome="passed") == 3
     assert value(s, "virtengine_hpc_routing_decisions_total", outcome="rejected") == 1
     assert value(s, "virtengine_hpc_routing_violations_total", type="missing_decision", enforced="true") == 1
-    # The scheduler: batched status queries (as many as the adapter answered) and call latencies.
-    batcher = worker.deps.activities.batchers[A]
+    # The scheduler: the cluster monitor's status queries (as many as the adapter answered; no job held a watch
+    # activity of its own) and call latencies.
+    monitor = worker.deps.activities.monitor
     queries = value(s, "virtengine_hpc_scheduler_queries_total", cluster=A)
-    assert queries == batcher.queries >= adapter.status_queries >= 1
+    assert queries == monitor.queries[A] >= adapter.status_queries >= 1
+    assert A not in worker.deps.activities.batchers
     assert value(s, "virtengine_hpc_scheduler_query_failures_total", cluster=A) == 0
     assert (
         value(s, "virtengine_hpc_scheduler_call_seconds_count", cluster=A, operation="submit", outcome="ok")

@@ -23,7 +23,7 @@ from typing import Any
 import httpx
 import pytest
 import yaml
-from temporalio.client import Client
+from temporalio.client import Client, WorkflowHistory
 from temporalio.testing import WorkflowEnvironment
 
 from tests.conftest import REPO, make_config
@@ -31,10 +31,12 @@ from tests.pipeline_harness import setup_ledger
 from tests.production_support import submit, wait_result
 from virtengine_hpc.cli import main as cli_main
 from virtengine_hpc.config import Config
+from virtengine_hpc.messages import monitor_workflow_id
 from virtengine_hpc.signing import Signer
 from virtengine_hpc.states import JobState
 from virtengine_hpc.usage import verify_record
 from workers.metrics import free_loopback_port
+from workers.wiring import task_queue
 
 BURN = 'end=$((SECONDS+{s})); while [ "$SECONDS" -lt "$end" ]; do :; done\n'
 GRACE = 1.0
@@ -90,10 +92,27 @@ def workers() -> Iterator[list[Worker]]:
         worker.stop()
 
 
-def _config(tmp_path: Path, env: WorkflowEnvironment) -> tuple[Config, Path]:
+def _activities_started(history: WorkflowHistory) -> list[tuple[float, str, Any]]:
+    """(when, pid of the worker, attributes) of every activity attempt that started, in order."""
+    return [
+        (
+            e.event_time.ToNanoseconds() / 1e9,
+            e.activity_task_started_event_attributes.identity.split("@")[0],
+            e.activity_task_started_event_attributes,
+        )
+        for e in history.events
+        if e.HasField("activity_task_started_event_attributes")
+    ]
+
+
+def _config(tmp_path: Path, env: WorkflowEnvironment, *, by_monitor: bool) -> tuple[Config, Path]:
     config = make_config(
         tmp_path,
-        hpc={"cluster_id": f"c-{uuid.uuid4().hex[:8]}", "usage_reporting": {"report_interval": "30s"}},
+        hpc={
+            "cluster_id": f"c-{uuid.uuid4().hex[:8]}",
+            "usage_reporting": {"report_interval": "30s"},
+            "job_service": {"cluster_monitor": by_monitor},
+        },
         temporal={
             "address": env.client.service_client.config.target_host,
             "task_queue": f"tq-{uuid.uuid4().hex[:8]}",
@@ -108,6 +127,11 @@ def _config(tmp_path: Path, env: WorkflowEnvironment) -> tuple[Config, Path]:
     return config, path
 
 
+@pytest.mark.parametrize(
+    "by_monitor",
+    [True, False],
+    ids=["cluster monitor (default)", "watch activity (hpc.job_service.cluster_monitor off)"],
+)
 async def test_sigterm_during_a_job_hands_it_to_the_other_worker(
     temporal_env: WorkflowEnvironment,
     client: Client,
@@ -115,8 +139,9 @@ async def test_sigterm_during_a_job_hands_it_to_the_other_worker(
     key_path: Path,
     workers: list[Worker],
     capsys: pytest.CaptureFixture[str],
+    by_monitor: bool,
 ) -> None:
-    config, path = _config(tmp_path, temporal_env)
+    config, path = _config(tmp_path, temporal_env, by_monitor=by_monitor)
     ledger = setup_ledger(config, Signer.from_file(key_path))
     first = Worker(path, key_path, tmp_path / "worker1.log", poller=True)
     second = Worker(path, key_path, tmp_path / "worker2.log", poller=False)
@@ -143,21 +168,22 @@ async def test_sigterm_during_a_job_hands_it_to_the_other_worker(
     result = await wait_result(client, job_id, timeout=90)
     assert result.state == JobState.COMPLETED, result.message
 
-    # The watch that was running on the first worker was cancelled at the end of the grace period and retried
-    # at once on the second (not after its 10 s heartbeat timeout, as after a crash).
-    history = await client.get_workflow_handle(job_id).fetch_history()
-    started = [
-        (e.event_time.ToNanoseconds() / 1e9, e.activity_task_started_event_attributes)
-        for e in history.events
-        if e.HasField("activity_task_started_event_attributes")
-    ]
     first_pid, second_pid = str(first.proc.pid), str(second.proc.pid)  # type: ignore[union-attr]
-    by = [attrs.identity.split("@")[0] for _, attrs in started]
-    assert first_pid in by and by[-1] == second_pid
-    [(at, retried)] = [(t, a) for t, a in started if a.attempt > 1]
-    assert retried.identity.startswith(second_pid + "@")
-    assert retried.last_failure.application_failure_info.type == "WorkerShutdown", retried.last_failure
-    assert at - sent_at < GRACE + 5, f"handed over {at - sent_at:.1f} s after SIGTERM"
+    history = await client.get_workflow_handle(job_id).fetch_history()
+    if by_monitor:
+        # The job waits for its cluster's monitor without an activity of its own: nothing of it was cut short,
+        # and what it still ran after SIGTERM (its final report and terminal status) ran on the second worker.
+        assert not [e for e in history.events if e.HasField("activity_task_timed_out_event_attributes")]
+        late = [by for at, by, _ in _activities_started(history) if at > sent_at + GRACE + 1]
+        assert set(late) <= {second_pid}, late
+        # The monitor's rounds went on on the second worker; a round the first was running when it stopped was
+        # cancelled at the end of the grace period and retried at once (not after its heartbeat timeout).
+        monitor = await client.get_workflow_handle(monitor_workflow_id(task_queue(config))).fetch_history()
+        handed_over(_activities_started(monitor), first_pid, second_pid, sent_at, exactly_one=False)
+    else:
+        # The watch that was running on the first worker was cancelled at the end of the grace period and
+        # retried at once on the second (not after its 10 s heartbeat timeout, as after a crash).
+        handed_over(_activities_started(history), first_pid, second_pid, sent_at, exactly_one=True)
 
     records = ledger.usage_records(job_id)
     assert [r.sequence for r in records] == list(range(1, len(records) + 1))
@@ -181,3 +207,25 @@ async def test_sigterm_during_a_job_hands_it_to_the_other_worker(
     assert cli_main(["-c", str(path), "audit", "verify", "--key-file", str(key_path)]) == 0
     assert "hash chain intact" in capsys.readouterr().out
     assert (config.hpc.audit.log_path.parent / "audit.log.anchor").exists()
+
+
+def handed_over(
+    started: list[tuple[float, str, Any]],
+    first_pid: str,
+    second_pid: str,
+    sent_at: float,
+    *,
+    exactly_one: bool,
+) -> None:
+    """The first worker ran some of these attempts, the second ran the last, and every retry ran on the second
+    at once, after a ``WorkerShutdown`` (the attempt was cut short at the end of the grace period)."""
+    by = [pid for _, pid, _ in started]
+    assert first_pid in by and by[-1] == second_pid, by
+    retries = [(at, pid, attrs) for at, pid, attrs in started if attrs.attempt > 1]
+    if exactly_one:
+        assert len(retries) == 1, retries
+    for at, pid, attrs in retries:
+        assert pid == second_pid and at - sent_at < GRACE + 5, (
+            f"handed over {at - sent_at:.1f} s after SIGTERM"
+        )
+        assert attrs.last_failure.application_failure_info.type == "WorkerShutdown", attrs.last_failure

@@ -197,11 +197,11 @@ class JobServiceConfig(Section):
         "starts.",
     )
     cluster_monitor: bool = Field(
-        False,
+        True,
         description="Watch jobs through one cluster monitor workflow per cluster (one status query per poll "
-        "interval, whatever the number of workers; a watched job holds no activity) instead of a watch activity "
-        'per job. Off by default while known defects stand (docs/architecture.md, "Why is the cluster monitor '
-        'off by default?"). Fixed per job when it starts.',
+        "interval, whatever the number of workers; a watched job holds no activity). False: each job started "
+        "from then on waits in a heartbeating watch activity of its own, batched per worker process, as before "
+        "0.4. Fixed per job when it starts: a running job keeps the way it began with.",
     )
     sweep_interval: Duration | None = Field(
         timedelta(seconds=60),

@@ -4,9 +4,11 @@ route (validate + routing enforcement) → submit → watch … (usage record ev
 → final usage record (``is_final``) + accounting → terminal status.
 
 Only orchestration lives here (invariant 1 in docs/architecture.md): the clock is ``workflow.now()``, every side effect is an
-activity, and everything the workflow needs arrives in its input. Waiting happens inside the heartbeating
-``watch_job`` activity, which returns only on a state change or when a report or deadline is due, so history grows
-by a few events per report period (invariant 3); the workflow continues as new when Temporal suggests it.
+activity, and everything the workflow needs arrives in its input. A submitted job waits for its cluster's monitor
+(``workflows/cluster_monitor.py``) to signal a change, or for its own timer when a report or deadline is due, so
+history grows by a few events per report period (invariant 3); a run that began before the monitor, or with it
+turned off, waits inside a heartbeating ``watch_job`` activity instead. The workflow continues as new when
+Temporal suggests it.
 """
 
 from __future__ import annotations
@@ -232,8 +234,9 @@ class HPCJobWorkflow:
     @workflow.run
     async def run(self, inp: JobWorkflowInput) -> JobResult:
         self.v2 = workflow.patched(PATCH_NO_JOB_LEFT_BEHIND)
-        # The monitor is opt-in (hpc.job_service.cluster_monitor): a job started without it records no marker
-        # and takes the watch-activity path, as before the monitor existed.
+        # The monitor is the default (hpc.job_service.cluster_monitor); a job started with it off records no
+        # marker and takes the watch-activity path, as before the monitor existed, and so does the replay of a run
+        # that began before it: whichever way a run began, it keeps.
         self.by_monitor = (
             self.v2 and self.settings.cluster_monitor and workflow.patched(PATCH_CLUSTER_MONITOR)
         )
