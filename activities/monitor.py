@@ -99,6 +99,12 @@ class MonitorActivities:
             self.failures[request.cluster_id] += 1
             log.warning("status query of cluster %s failed (not a state change): %s", request.cluster_id, exc)
             return PollOutput(watched=len(entries), error=str(exc)[:300])
+        except Exception as exc:
+            # An adapter's bug fails the round the same way (as the watch activities' batcher does): failing the
+            # activity had Temporal retry it with a growing backoff while no job heard of anything.
+            self.failures[request.cluster_id] += 1
+            log.exception("status query of cluster %s failed (not a state change)", request.cluster_id)
+            return PollOutput(watched=len(entries), error=f"status query failed: {exc}"[:300])
         news = self._changes(monitor, entries, answer, request.vanished_grace_seconds)
         await heartbeating(self._tell(client, monitor, news))
         return PollOutput(watched=len(entries), signalled=len(news), ended=_ended(monitor, entries))

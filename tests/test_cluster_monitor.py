@@ -9,6 +9,7 @@ when the monitor is reset, restarted with no memory, or continued as new.
 from __future__ import annotations
 
 import asyncio
+import json
 import uuid
 from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass, field
@@ -52,8 +53,13 @@ class CountingAdapter(MemoryAdapter):
     asked: list[frozenset[str]] = field(default_factory=list)
     in_flight: int = 0
     most_in_flight: int = 0
+    breaks: int = 0
+    """Queries still to fail with something no scheduler error is (as a bug in an adapter's parser would)."""
 
     async def status_batch(self, scheduler_job_ids: Iterable[str]) -> dict[str, NativeStatus]:
+        if self.breaks > 0:
+            self.breaks -= 1
+            raise ValueError("could not parse the scheduler's answer")
         ids = frozenset(scheduler_job_ids)
         info = activity.info()
         self.askers.append((info.activity_type, info.workflow_id or ""))
@@ -222,6 +228,36 @@ async def test_jobs_go_on_across_the_monitors_continue_as_new(two_workers: Pipel
         assert p.states_of(job_id) == [Q, R, JobState.CANCELLED]
     current = await p.client.get_workflow_handle(monitor_id).describe()
     assert current.run_id != monitor.first_execution_run_id
+
+
+async def test_a_round_whose_query_breaks_is_a_failed_round_and_the_next_one_tells(
+    two_workers: Pipeline,
+) -> None:
+    """An adapter error that is not a scheduler error fails the round as a scheduler error does: counted in the
+    query failures, its message in the round's result (Web UI), the next round at the next interval. It used to
+    fail the activity, which Temporal retried with a growing backoff while no job heard anything."""
+    p = two_workers
+    broken = counting(p)
+    broken.breaks = 3
+    broken.default = Script([(0, Q), (1.0, R), (3.0, C)], exit_code=0)
+    job_id = p.submit()
+    result = (await p.run_until_done([job_id]))[job_id]
+    assert result.state == C and p.states_of(job_id) == [Q, R, C]
+    history = await p.client.get_workflow_handle(monitor_workflow_id(p.task_queue)).fetch_history()
+    errors = [
+        json.loads(e.activity_task_completed_event_attributes.result.payloads[0].data).get("error")
+        for e in history.events
+        if e.HasField("activity_task_completed_event_attributes")
+    ]
+    assert "status query failed: could not parse the scheduler's answer" in errors
+    retried = [
+        e
+        for e in history.events
+        if e.HasField("activity_task_started_event_attributes")
+        and e.activity_task_started_event_attributes.attempt > 1
+    ]
+    assert not retried, "no round failed as an activity"
+    assert broken.breaks == 0
 
 
 async def _wait_for_state(p: Pipeline, job_id: str, state: JobState, timeout: float = 30) -> None:
