@@ -583,12 +583,13 @@ class RefusingChain:
         return await self.ledger.submit_usage(records)
 
 
+@pytest.mark.parametrize("monitor", [False, True], ids=["watch", "monitor"])
 async def test_a_period_report_that_failed_for_good_leaves_no_gap(
-    client: Any, tmp_path: Path, key_path: Path, task_queue: str
+    client: Any, tmp_path: Path, key_path: Path, task_queue: str, monitor: bool
 ) -> None:
-    """Record 2 is refused for good (twice: the watch's report, then the workflow's own): the next record covers
-    that period too and starts where record 1 ended. Before, it started when the report failed (a 2 s gap that
-    ``usage verify`` fails the job for, though the gap was billed) and ended past its own reading."""
+    """Record 2 is refused for good, twice: the next record covers that period too and starts where record 1
+    ended. Before, on the watch path, it started when the report failed (a 2 s gap that ``usage verify`` fails the
+    job for, though the gap was billed) and ended past its own reading."""
     adapter = MemoryAdapter(
         default=Script(
             [(0.0, JobState.QUEUED), (0.2, JobState.RUNNING), (9.0, JobState.COMPLETED)], exit_code=0
@@ -600,7 +601,7 @@ async def test_a_period_report_that_failed_for_good_leaves_no_gap(
         chains.append(RefusingChain(ledger))
         return chains[-1]
 
-    config = make_config(tmp_path)
+    config = make_config(tmp_path, hpc={"job_service": {"cluster_monitor": monitor}})
     async with running_pipeline(client, config, key_path, adapter, task_queue, chain=refusing) as pipe:
         job_id = pipe.submit()
         results = await pipe.run_until_done([job_id], timeout=90)
