@@ -351,9 +351,31 @@ function slurm_job_submit(job_desc, part_list, submit_uid)
   return slurm.SUCCESS
 end
 
+-- What a job runs with and where: the provider's to set, priced when the job was accepted. A tenant changing
+-- its own pending job (after a requeue, say) would run with more than it pays for.
+local fixed = {
+  "min_cpus", "max_cpus", "pn_min_cpus", "cpus_per_task", "num_tasks", "ntasks_per_node", "min_nodes",
+  "max_nodes", "pn_min_memory", "tres_per_job", "tres_per_node", "tres_per_socket", "tres_per_task",
+  "partition", "account", "qos", "reservation", "features", "licenses", "shared", "contiguous",
+}
+
+local function given(value)
+  return value ~= nil and value ~= slurm.NO_VAL and value ~= slurm.NO_VAL16 and value ~= slurm.NO_VAL64
+end
+
 function slurm_job_modify(job_desc, job_rec, part_list, modify_uid)
+  if provider[modify_uid] then
+    return slurm.SUCCESS
+  end
+  for _, field in ipairs(fixed) do
+    if given(job_desc[field]) then
+      slurm.log_user("a job's resources, partition, account and QOS are the provider's to set: its " .. field ..
+        " is what the job was accepted and paid for")
+      return slurm.ERROR
+    end
+  end
   local asked, limit = job_desc.time_limit, job_rec.time_limit
-  if provider[modify_uid] or asked == nil or asked == slurm.NO_VAL or limit == nil or asked <= limit then
+  if not given(asked) or limit == nil or asked <= limit then
     return slurm.SUCCESS
   end
   slurm.log_user("a job's time limit may be lowered, never raised: it is what the job was accepted and paid for")

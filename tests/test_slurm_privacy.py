@@ -158,3 +158,46 @@ async def test_a_tenant_cannot_raise_its_pending_jobs_time_limit(env: dict[str, 
         assert too_long.returncode != 0, "a job asking more than the provider offers is refused outright"
     finally:
         sc.slurm_command(env, ["scancel", job_id])
+
+
+def job_fields(env: dict[str, Any], job_id: str) -> dict[str, str]:
+    shown = sc.slurm_command(env, ["scontrol", "-o", "show", "job", job_id])
+    return dict(item.split("=", 1) for item in shown.split() if "=" in item)
+
+
+async def test_a_tenant_cannot_give_its_pending_job_more_than_it_was_accepted_with(
+    env: dict[str, Any],
+) -> None:
+    """A tenant that requeues its job (or catches it pending) and raises its CPUs, memory, GPUs or nodes, or moves
+    it to another partition, account or QOS, would run with more than its quote priced: the cluster's job_submit
+    plugin refuses every such change but the provider's. Name and comment stay the owner's to change (the
+    markers are bound to the account, not to the name)."""
+    alice = sc.account_of(env, sc.ALICE)
+    name = f"vehpc-{sc.workflow_id(SCOPE + 'grow')}"
+    submitted = as_account(
+        env, alice, "sbatch", "--parsable", "--hold", "-c", "1", "--mem=100M", "-t", "2", "-J", name,
+        "-o", "/dev/null", "--wrap", "true",
+    )  # fmt: skip
+    assert submitted.returncode == 0, submitted
+    job_id = submitted.stdout.strip()
+    try:
+        before = job_fields(env, job_id)
+        for change in (
+            "NumCPUs=2",
+            "MinMemoryNode=4000",
+            "NumNodes=1-2",
+            "Gres=gpu:1",
+            "Partition=debug",
+            "QOS=normal",
+        ):
+            grown = as_account(env, alice, "scontrol", "update", f"jobid={job_id}", change)
+            assert grown.returncode != 0, (change, grown)
+        after = job_fields(env, job_id)
+        for key in ("NumCPUs", "MinMemoryNode", "NumNodes", "Partition", "QOS", "TresPerNode"):
+            assert after.get(key) == before.get(key), key
+        renamed = as_account(env, alice, "scontrol", "update", f"jobid={job_id}", f"name={name}-x")
+        assert renamed.returncode == 0, renamed
+        provider = as_account(env, "hpcuser", "scontrol", "update", f"jobid={job_id}", "NumCPUs=2")
+        assert provider.returncode == 0 and job_fields(env, job_id)["NumCPUs"] == "2", provider
+    finally:
+        sc.slurm_command(env, ["scancel", job_id])
