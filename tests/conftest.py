@@ -148,4 +148,13 @@ def _sweeps_judge_this_runs_slurm_jobs_only(monkeypatch: pytest.MonkeyPatch) -> 
             return jobs
         return [job for job in jobs if TEST_PREFIX in job.name]
 
+    ended = JobSweep._ended
+
+    async def own_run_ended(self: JobSweep, seconds: int) -> list[Any]:
+        jobs = await ended(self, seconds)
+        if not isinstance(self.adapter, SlurmAdapter):
+            return jobs
+        return [job for job in jobs if TEST_PREFIX in job.name]
+
     monkeypatch.setattr(JobSweep, "_listed", own_run_only)
+    monkeypatch.setattr(JobSweep, "_ended", own_run_ended)

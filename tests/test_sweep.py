@@ -184,10 +184,14 @@ async def still_its_own(p: Pipeline, job_id: str, own: str) -> None:
 
 
 def swept(p: Pipeline, event: str) -> list[dict[str, Any]]:
+    """The sweep's records of live jobs (each test's pipeline has a cluster id of its own, so the jobs earlier
+    tests ran carry markers of other clusters: a second round reports those that ended lately as ``ended``)."""
     return [
         e["details"]
         for e in read_events(p.config.hpc.audit.log_path)
-        if e["event_type"] == event and e["details"].get("found_by") == "sweep"
+        if e["event_type"] == event
+        and e["details"].get("found_by") == "sweep"
+        and not e["details"].get("ended")
     ]
 
 
@@ -364,3 +368,52 @@ async def test_the_poller_process_sweeps_its_cluster(
             await still_its_own(p, job_id, own)
         finally:
             await process.stop()
+
+
+async def test_a_tenants_job_that_ran_between_two_rounds_is_audited(
+    pipe: Pipeline, env: dict[str, Any]
+) -> None:
+    """A tenant's script times its own jobs between two rounds (a held canary it watches vanishes when a round
+    ran): a job that starts after one round and ends before the next is never live at a round. The provider
+    must still learn of it: the next round audits it under the account and tenant, once."""
+    alice = sc.account_of(env, TENANT)
+    sweeper = sweep(pipe, env)
+    await sweeper.sweep_once()
+    out = subprocess.run(
+        [
+            "runuser", "-u", alice, "--", "sbatch", "--parsable", "-t", "1",
+            "-J", sc.workflow_id(SCOPE + "between"), "-o", "/dev/null", "--wrap", "sleep 2",
+        ],
+        env={**os.environ, "SLURM_CONF": env["slurm_conf"]},
+        capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    free = out.stdout.strip().split(";")[0]
+    assert (await sc.wait_final(slurm(pipe), free, timeout=300)).state == JobState.COMPLETED
+    ended = [
+        "sacct",
+        "-X",
+        "-n",
+        "-P",
+        "-u",
+        alice,
+        "-S",
+        "now-600",
+        "-E",
+        "now+60",
+        "-s",
+        "CD",
+        "-o",
+        "JobIDRaw",
+    ]
+    while free not in sc.slurm_command(env, ended).split():
+        await asyncio.sleep(0.5)  # slurmdbd records the end a moment after the controller
+
+    first, second = await sweeper.sweep_once(), await sweeper.sweep_once()
+
+    assert free not in first.unmarked + second.unmarked, "it ended: nothing is left to cancel"
+    audited = [
+        e for e in read_events(pipe.config.hpc.audit.log_path) if e["details"].get("scheduler_job_id") == free
+    ]
+    assert len(audited) == 1, f"the provider never learns of tenant job {free} that ran unbilled: {audited}"
+    details = audited[0]["details"]
+    assert details["account"] == alice and details["tenant"] == TENANT and details["kind"] == "unmarked"

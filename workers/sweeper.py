@@ -23,6 +23,10 @@ not name is a finding, confirmed before anything is done:
   workflow its name claims), such as a job submitted under a marker key since rotated: it is watched and billed,
   and left alone. A job whose claimed workflow is open but names no job yet is given one more round. Its audit
   record names the account and tenant, never the workflow its name claims (anyone may write any name).
+* **unmarked, ended**: such a job that started after one round and ended before the next, never live at a round.
+  Each round reads the tenants' accounts' jobs that ended since the previous round began from accounting
+  (``SchedulerAdapter.swept_ended``, one query) and audits those that ran, that no round listed and no open
+  workflow names (``unowned_job_found``, ``ended: true``): they ran unbilled, and the provider learns of them.
 
 What happens to a finding is ``hpc.job_service.unowned_jobs``: ``cancel`` (the default) cancels it and audits
 ``duplicate_job_cancelled`` or ``unowned_job_cancelled``; ``report`` only audits ``unowned_job_found``, once per
@@ -66,6 +70,10 @@ log = logging.getLogger(__name__)
 PAGE_SIZE = 200
 """Workflow ids looked up in one visibility query."""
 _SAFE_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
+ENDED_MARGIN = 120
+"""Seconds the accounting read of ended jobs reaches back before the previous round began: slurmdbd records a
+job's end a moment after the controller (a job the previous round's read missed is in this one's), accounting
+times are whole seconds, and the controller's clock may differ from the poller's."""
 
 
 @dataclass(frozen=True)
@@ -83,6 +91,7 @@ class SweepStats:
     duplicates: list[str] = field(default_factory=list)
     unowned: list[str] = field(default_factory=list)
     unmarked: list[str] = field(default_factory=list)
+    ran: list[str] = field(default_factory=list)  # unmarked jobs that ran and ended between two rounds
     left: int = 0  # live jobs no workflow names, left alone (see the module's docstring)
     standby: bool = (
         False  # another poller holds the cluster's intake lease: it sweeps, this one listed nothing
@@ -120,6 +129,9 @@ class JobSweep:
         self._stopping: set[str] = set()  # cancelled by an earlier round, still ending (COMPLETING)
         self._reported: set[str] = set()  # reported (unowned_jobs: report) by an earlier round: audited once
         self._waiting: set[str] = set()  # unmarked, claiming an open workflow that named no job last round
+        self._last_round: float | None = None  # when the last round that read accounting began
+        self._seen: dict[str, float] = {}  # job id -> when a round last listed it live, or audited it ended
+        self._ended_listed = True  # False: the adapter cannot list ended jobs (logged once)
 
     async def run(self, stop: asyncio.Event) -> None:
         if self.interval is None:
@@ -150,9 +162,11 @@ class JobSweep:
         if self.lease is not None and not await self.lease.refresh():
             stats.standby = True
             return stats
+        started = self.clock()
         jobs = [job for job in await self._listed() if not job.final and not job.marked_elsewhere]
         stats.listed = len(jobs)
         live = {job.scheduler_job_id for job in jobs}
+        self._seen.update(dict.fromkeys(live, started))
         self._stopping &= live
         self._reported &= live
         jobs = [job for job in jobs if job.scheduler_job_id not in self._stopping | self._reported]
@@ -166,6 +180,7 @@ class JobSweep:
         for workflow_id, marked in by_workflow.items():
             await self._check(workflow_id, marked, named.get(workflow_id, Named(open=False)), stats)
         await self._check_unmarked(unmarked, named, stats)
+        await self._check_ended(started, stats)
         self.rounds += 1
         if self.metrics is not None:
             self.metrics.last_sweep.labels(self.cluster_id).set(self.clock())
@@ -174,6 +189,69 @@ class JobSweep:
     async def _listed(self) -> list[ListedJob]:
         """What the scheduler holds that this sweep judges (one query)."""
         return await self.adapter.swept_jobs()
+
+    async def _ended(self, seconds: int) -> list[ListedJob]:
+        """The tenants' accounts' jobs that ran and ended within the last ``seconds`` (one accounting query)."""
+        return await self.adapter.swept_ended(seconds)
+
+    async def _check_ended(self, started: float, stats: SweepStats) -> None:
+        """A job a tenant submits itself right after a round and that ends before the next was never live at a
+        round: read from accounting since the previous round (plus ``ENDED_MARGIN``), every such job without a
+        valid marker that no open workflow names and no round listed is audited once (``unowned_job_found``,
+        ``ended: true``, with its run time): it ran unbilled and the provider learns of it."""
+        last = self._last_round
+        if last is None or not self._ended_listed:
+            self._last_round = started
+            return
+        window = started - last + ENDED_MARGIN
+        # A job listed live once is listed again every round while it runs: one that ended within the window
+        # was last listed after started - 2 * window.
+        self._seen = {i: t for i, t in self._seen.items() if t >= started - 2 * window}
+        try:
+            ended = await self._ended(int(window) + 1)
+        except NotImplementedError as exc:
+            log.info("no sweep of ended jobs: %s", exc, extra={"cluster_id": self.cluster_id})
+            self._ended_listed = False
+            return
+        ran = [
+            job
+            for job in ended
+            if job.workflow_id is None and not job.marked_elsewhere and job.scheduler_job_id not in self._seen
+        ]
+        claims = sorted({c for c in (_claim(job) for job in ran) if c is not None})
+        named = await self._named(claims) if claims else {}
+        ran = [job for job in ran if not self._names(named.get(_claim(job) or "", Named(open=False)), job)]
+        if ran:
+            log.error(
+                "scheduler jobs %s on %s (accounts %s) ran and ended between two sweep rounds without a valid "
+                "marker: no workflow watched or billed them",
+                ", ".join(job.scheduler_job_id for job in ran),
+                self.cluster_id,
+                ", ".join(sorted({job.user for job in ran})),
+                extra={"cluster_id": self.cluster_id},
+            )
+        for job in ran:
+            self._seen[job.scheduler_job_id] = started
+            stats.ran.append(job.scheduler_job_id)
+            self.audit.record(
+                "unowned_job_found",
+                job_id=None,
+                cluster_id=self.cluster_id,
+                details={
+                    "scheduler_job_id": job.scheduler_job_id,
+                    "kept": None,
+                    "kind": "unmarked",
+                    "ended": True,
+                    "elapsed_seconds": job.elapsed_seconds,
+                    "found_by": "sweep",
+                    "why": "it ran and ended between two sweep rounds as a tenant's account without a valid "
+                    "marker: no workflow watched or billed it",
+                    "account": job.user,
+                    "tenant": self.adapter.tenant_of(job.user) if job.user else None,
+                    "claims": _claim(job),
+                },
+            )
+        self._last_round = started
 
     async def _named(self, workflow_ids: list[str]) -> dict[str, Named]:
         """What each workflow's open run names, as visibility sees it (it lags: findings are confirmed)."""

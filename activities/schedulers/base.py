@@ -95,6 +95,9 @@ class ListedJob(Model):
     final: bool = False
     name: str = Field("", description="The job's name on the scheduler.")
     user: str = Field("", description="The account the scheduler says the job runs as.")
+    elapsed_seconds: int | None = Field(
+        None, description="How long it ran (jobs that ended: ``SchedulerAdapter.swept_ended``)."
+    )
 
 
 class RefusedAdoption(Model):
@@ -190,6 +193,12 @@ class SchedulerAdapter(abc.ABC):
 
         Adapters that cannot list their jobs raise ``NotImplementedError``: the sweep is then off for them."""
         raise NotImplementedError(f"{self.name} cannot list its jobs")
+
+    async def swept_ended(self, seconds: int) -> list[ListedJob]:
+        """Jobs of the tenants' accounts that ran and ended within the last ``seconds``, from one accounting
+        query: a tenant's own job that started after one sweep round and ended before the next was never live at
+        a round, and this is where the sweep learns of it. ``NotImplementedError`` where it cannot tell."""
+        raise NotImplementedError(f"{self.name} cannot list the jobs that ended")
 
     async def accounts_in_use(self, accounts: Sequence[str]) -> dict[str, str]:
         """Which of ``accounts`` the scheduler shows jobs of (account -> what shows it), the check made before a

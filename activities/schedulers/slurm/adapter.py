@@ -406,6 +406,19 @@ class SlurmAdapter(BatchSchedulerAdapter):
                 out.append(listed)
         return out
 
+    async def swept_ended(self, seconds: int) -> list[ListedJob]:
+        """The tenants' accounts' jobs that ran (a run time above zero) and ended within ``seconds`` (one
+        ``sacct``), each as the sweep judges it."""
+        if not self.tenants.isolated:
+            return []
+        await self._ready()
+        out: list[ListedJob] = []
+        for job in await self.backend.ended_since(seconds):
+            listed = self.listed(job.job_id, name=job.name, user=job.user, final=True)
+            if listed is not None and job.elapsed_seconds > 0:
+                out.append(listed.model_copy(update={"elapsed_seconds": job.elapsed_seconds}))
+        return out
+
     def _tenant_accounts(self) -> frozenset[str]:
         return self.tenants.accounts() if self.tenants.isolated else frozenset()
 

@@ -136,6 +136,10 @@ class SlurmBackend(abc.ABC):
         """Every job of the accounts lookups search (``lookup_users``) that has not ended, in one query."""
         raise NotImplementedError(f"{self.description}: cannot list the accounts' jobs")
 
+    async def ended_since(self, seconds: int) -> list[p.AcctJob]:
+        """Every job of the accounts lookups search that ended within the last ``seconds`` (accounting)."""
+        raise NotImplementedError(f"{self.description}: cannot list the accounts' ended jobs")
+
     @abc.abstractmethod
     async def accounting(self, job_ids: Sequence[str], *, steps: bool) -> list[p.AcctJob]:
         """Accounting records of these jobs (with their steps if asked); raises ``AccountingDisabled``."""
@@ -167,6 +171,10 @@ def check_node(node: str) -> str:
     if not _NODE_NAME.fullmatch(node):
         raise SchedulerError(f"{node[:80]!r} is not a valid node name", transient=False)
     return node
+
+
+_ENDED_STATES = "CA,CD,F,TO,OOM,NF,PR,DL,BF"
+"""``sacct -s``: every final state of a job."""
 
 
 # ---- CLI (local or SSH) --------------------------------------------------------------------------------------
@@ -321,6 +329,24 @@ class CliBackend(SlurmBackend):
             ["squeue", "-h", "-u", users, "-O", p.squeue_format(fields, sep)], what="squeue"
         )
         return p.parse_squeue(result.stdout, fields, sep=sep)
+
+    async def ended_since(self, seconds: int) -> list[p.AcctJob]:
+        # -s with -S/-E: the jobs that ended within the window. A job that ended in the current second is not
+        # before "-E now" (seen on 22.05): the window reaches a minute ahead, where no job has ended yet.
+        sep, fields = p.new_separator(), p.SACCT_LOOKUP_FIELDS
+        argv = [
+            "sacct",
+            "-X",
+            "-P",
+            "-n",
+            "--noconvert",
+            "-M",
+            self.cluster,
+            "-u",
+            ",".join(self.lookup_users),
+        ]
+        argv += ["-S", f"now-{max(1, seconds)}seconds", "-E", "now+60", "-s", _ENDED_STATES]
+        return await self._accounting([*argv, f"--delimiter={sep}", "-o", ",".join(fields)], fields, sep)
 
     def _sacct(self, *selection: str, steps: bool, fields: Sequence[str], sep: str) -> list[str]:
         # --duplicates: every run of a requeued job (one line each), not only the latest: they are all billed.
