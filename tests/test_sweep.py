@@ -370,14 +370,21 @@ async def test_the_poller_process_sweeps_its_cluster(
             await process.stop()
 
 
+def over(config: Config, env: dict[str, Any], transport: str) -> Config:
+    """The same configuration with the cluster reached over another transport."""
+    section = type(config.hpc.slurm).model_validate(sc.slurm_section(env, transport))
+    return config.model_copy(update={"hpc": config.hpc.model_copy(update={"slurm": section})})
+
+
+@pytest.mark.parametrize("transport", ["cli", "rest"])
 async def test_a_tenants_job_that_ran_between_two_rounds_is_audited(
-    pipe: Pipeline, env: dict[str, Any]
+    pipe: Pipeline, env: dict[str, Any], transport: str
 ) -> None:
     """A tenant's script times its own jobs between two rounds (a held canary it watches vanishes when a round
     ran): a job that starts after one round and ends before the next is never live at a round. The provider
     must still learn of it: the next round audits it under the account and tenant, once."""
     alice = sc.account_of(env, TENANT)
-    sweeper = sweep(pipe, env)
+    sweeper = sweep(pipe, env, over(pipe.config, env, transport))
     await sweeper.sweep_once()
     out = subprocess.run(
         [
