@@ -142,6 +142,25 @@ def tenant_sbatch(env: dict[str, Any], account: str, name: str) -> str:
     return job_id
 
 
+def tenant_hetjob(env: dict[str, Any], account: str, name: str) -> list[str]:
+    """A heterogeneous job a tenant's script submits itself (two components, held): its components' ids, the
+    leader's first."""
+    script = f"#!/bin/bash\n#SBATCH -J {name} -t 60 -o /dev/null\n#SBATCH hetjob\n#SBATCH -t 60\nsleep 3600\n"
+    out = subprocess.run(
+        ["runuser", "-u", account, "--", "sbatch", "--parsable", "--hold"],
+        input=script,
+        env={**os.environ, "SLURM_CONF": env["slurm_conf"]},
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    leader = out.stdout.strip().split(";")[0]
+    assert leader.isdigit(), out
+    rows = sc.slurm_command(env, ["squeue", "-h", "-t", "all", "-O", "JobID:|,HetJobID:|"]).splitlines()
+    others = [r.split("|")[0] for r in rows if r.split("|")[1:2] == [leader] and r.split("|")[0] != leader]
+    return [leader, *others]
+
+
 def native_state(env: dict[str, Any], job_id: str) -> str:
     return sc.slurm_command(env, ["squeue", "-h", "-t", "all", "-j", job_id, "-o", "%T"]).strip()
 
@@ -424,3 +443,27 @@ async def test_a_tenants_job_that_ran_between_two_rounds_is_audited(
     assert len(audited) == 1, f"the provider never learns of tenant job {free} that ran unbilled: {audited}"
     details = audited[0]["details"]
     assert details["account"] == alice and details["tenant"] == TENANT and details["kind"] == "unmarked"
+
+
+@pytest.mark.parametrize("transport", ["cli", "rest"])
+async def test_a_tenants_heterogeneous_job_is_one_finding_cancelled_whole(
+    pipe: Pipeline, env: dict[str, Any], transport: str
+) -> None:
+    """squeue and slurmrestd list each component of a heterogeneous job as a job of its own, and Slurm refuses to
+    cancel a component but by its leader (slurmrestd's cancel stopped at it: the round raised, later findings
+    ran on and nothing of the round was audited). The sweep judges the job by its leader: one finding, one
+    record, every component cancelled, and the round's other findings too."""
+    alice, bob = sc.account_of(env, TENANT), sc.account_of(env, sc.BOB)
+    components = tenant_hetjob(env, alice, sc.workflow_id(SCOPE + "het"))
+    free = tenant_sbatch(env, bob, sc.workflow_id(SCOPE + "beside-het"))
+    assert len(components) == 2, components
+    try:
+        stats = await sweep(pipe, env, over(pipe.config, env, transport)).sweep_once()
+
+        assert sorted(stats.unmarked) == sorted([components[0], free]), stats
+        for job_id in [*components, free]:
+            assert (await sc.wait_final(slurm(pipe), job_id)).state == JobState.CANCELLED, job_id
+        audited = {d["scheduler_job_id"]: d["account"] for d in swept(pipe, "unowned_job_cancelled")}
+        assert audited == {components[0]: alice, free: bob}
+    finally:
+        sc.slurm_command(env, ["scancel", components[0], free])

@@ -400,6 +400,8 @@ class SlurmAdapter(BatchSchedulerAdapter):
         await self._ready()
         out: list[ListedJob] = []
         for job in await self.backend.queue_live():
+            if job.het_leader is not None:
+                continue  # a heterogeneous job is judged (and cancelled, whole) by its leader, listed too
             final = map_state(job.state).state.final
             listed = self.listed(job.job_id, name=job.name, user=job.user, final=final)
             if listed is not None:

@@ -324,7 +324,7 @@ class CliBackend(SlurmBackend):
 
     async def queue_live(self) -> list[p.QueueJob]:
         users = ",".join(self.lookup_users)
-        sep, fields = p.new_separator(), p.SQUEUE_LOOKUP_FIELDS
+        sep, fields = p.new_separator(), p.SQUEUE_SWEEP_FIELDS
         result = await self._run(
             ["squeue", "-h", "-u", users, "-O", p.squeue_format(fields, sep)], what="squeue"
         )
@@ -739,6 +739,7 @@ class PyslurmBackend(SlurmBackend):
             name=str(job.name or ""),
             comment=str(getattr(job, "comment", "") or ""),
             exit_code=p.exit_code_from_pair(str(getattr(job, "exit_code", "") or "")),
+            het_leader=p.component_of(str(job.id), str(getattr(job, "het_job_id", "") or "")),
         )
 
     async def _all(self) -> list[p.QueueJob]:

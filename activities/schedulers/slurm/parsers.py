@@ -46,6 +46,9 @@ SQUEUE_STATUS_FIELDS = tuple(f for f in SQUEUE_FIELDS if f not in ("Name", "Comm
 #: What a lookup by name asks for: the name too (``-n`` matches it exactly, so it is one of ours), parsed strictly.
 SQUEUE_LOOKUP_FIELDS = tuple(f for f in SQUEUE_FIELDS if f != "Comment")
 
+#: ``squeue -O`` fields of the sweep's listing: a lookup's, and the leader of a heterogeneous job's component.
+SQUEUE_SWEEP_FIELDS = (*SQUEUE_LOOKUP_FIELDS, "HetJobID")
+
 #: ``sacct -P`` fields (with steps unless ``-X``), free text last.
 SACCT_FIELDS = (
     "JobIDRaw",
@@ -150,6 +153,9 @@ class QueueJob:
     its run time is derived from (it gives no run time of its own)."""
     pre_suspend_seconds: int = 0
     """slurmrestd: the run time the job had when it was last suspended."""
+    het_leader: str | None = None
+    """A heterogeneous job's component other than its leader: the leader's id (Slurm cancels the whole job by the
+    leader's id only, and refuses a component's: "Operation not permitted on individual component")."""
 
 
 @dataclass
@@ -352,9 +358,15 @@ def parse_squeue(
                 user=row.get("UserName", "").strip(),
                 name=row.get("Name", ""),
                 comment=_text(row.get("Comment", "")),
+                het_leader=component_of(job_id, row.get("HetJobID", "").strip()),
             )
         )
     return jobs
+
+
+def component_of(job_id: str, leader: str | None) -> str | None:
+    """The leader's id when ``job_id`` is a heterogeneous job's component other than its leader."""
+    return leader if leader and _digits(leader) and leader != job_id else None
 
 
 def parse_sacct(text: str, fields: Sequence[str] = SACCT_FIELDS, *, sep: str | None = None) -> list[AcctJob]:
@@ -577,6 +589,7 @@ def parse_rest_jobs(body: Mapping[str, Any]) -> list[QueueJob]:
                 exit_code=exit_code_from_wait_status(_number(raw.get("exit_code"))),
                 suspend_time=parse_time(_number(raw.get("suspend_time"))),
                 pre_suspend_seconds=max(0, int(_number(raw.get("pre_sus_time")) or 0)),
+                het_leader=component_of(str(job_id), str(_number(raw.get("het_job_id")) or "")),
             )
         )
     return jobs
