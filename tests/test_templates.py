@@ -562,3 +562,33 @@ def test_patterns_that_need_backtracking_are_refused_when_the_template_is_read(
     document["entrypoint"] = {"launcher": "direct", "command": ["printf", "%s\\n", "{words}"]}
     with pytest.raises(ValueError, match=f"pattern .* is refused: {reason}.*linear time by RE2"):
         WorkloadTemplate.model_validate(document)
+
+
+def test_session_reads_only_the_jobs_own_endpoint_file_never_through_a_link(
+    config: Config, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The provider runs ``templates session`` and hands the tenant what it prints. The tenant controls the job's
+    working directory and what is in it: a link there named like the endpoint file made the provider's command
+    read, and print, any JSON file the provider may read."""
+    config_file = tmp_path / "config.json"
+    config_file.write_text(config.model_dump_json(exclude_defaults=True))
+    ledger = LocalLedger(config.ledger_path)
+    secret = tmp_path / "provider-only.json"
+    secret.write_text(json.dumps({"credential": "provider-only-value"}))
+    workdir = tmp_path / "tenant-dir"
+    workdir.mkdir()
+    spec = {
+        "tenant": "virtengine1tenant0session",
+        "provider": config.provider.address,
+        "offering_id": f"{config.hpc.cluster_id}-standard",
+        "template_id": "interactive-session",
+        "working_directory": str(workdir),
+    }
+    job_id = ledger.submit_job(spec, escrow=0)
+    (workdir / f"virtengine-session-{job_id}.json").symlink_to(secret)
+
+    code = cli_main(["--config", str(config_file), "templates", "session", job_id])
+
+    out = capsys.readouterr()
+    assert "provider-only-value" not in out.out + out.err
+    assert code == 2 and "not a regular file of its own" in out.err, out.err

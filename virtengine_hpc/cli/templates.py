@@ -9,7 +9,10 @@ interactive session. See ``docs/templates.md``.
 from __future__ import annotations
 
 import argparse
+import errno
 import json
+import os
+import stat
 import sys
 from pathlib import Path
 from typing import Any
@@ -335,6 +338,28 @@ def cmd_verify(args: argparse.Namespace) -> int:
     return 0 if problem is None else 1
 
 
+def _read_endpoint(path: Path) -> Any:
+    """The session's endpoint file, opened without following a link: the directory is the tenant's (its job's
+    working directory), and a link named like the file would have the provider's command read, and print, any
+    file the provider may read. A link, or anything but a regular file, is refused."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise ValidationError(
+                f"{path}: not a regular file of its own (a symbolic link): refused"
+            ) from None
+        raise
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+            raise ValidationError(f"{path}: not a regular file of its own: refused")
+        return json.loads(f.read(_ENDPOINT_MAX).decode("utf-8"))
+
+
+_ENDPOINT_MAX = 64 * 1024
+"""Bytes read of an endpoint file at most (it holds one small JSON object)."""
+
+
 def cmd_session(args: argparse.Namespace) -> int:
     config = config_from_args(args)
     job = open_ledger(args).job(args.job_id)
@@ -358,7 +383,7 @@ def cmd_session(args: argparse.Namespace) -> int:
             raise ValidationError(f"job {args.job_id}: cannot tell its working directory")
     path = Path(workdir) / SESSION_FILE.replace("${VIRTENGINE_JOB_ID:-job}", job.job_id)
     try:
-        endpoint = json.loads(path.read_text(encoding="utf-8"))
+        endpoint = _read_endpoint(path)
     except FileNotFoundError:
         print(f"{args.job_id}: no endpoint yet ({job.state.value}); the session writes {path} once it serves")
         return 1
