@@ -47,6 +47,12 @@ JWT_LIFESPAN=${VEHPC_SLURM_JWT_LIFESPAN:-86400}
 # The longest walltime this dev provider accepts (hpc.job_service.job_timeout_default): partition MaxTime and each
 # tenant association's MaxWall. Slurm lets a job's owner raise its pending job's time limit up to these, no further.
 MAX_TIME=1-00:00:00
+# The most jobs one tenant account may have in the system at once (association MaxSubmitJobs), and the controller's
+# bound on all jobs: a tenant's script that submits in a loop stops at its own limit, long before the controller's
+# (four tenants' limits fit under it with room for the provider), so nobody else's sbatch is refused. 12,000 leaves
+# the benchmarks room for 10,000 watched jobs of one tenant.
+MAX_SUBMIT=12000
+MAX_JOB_COUNT=60000
 
 ETC=$STATE/etc
 RUN=$STATE/run
@@ -338,6 +344,7 @@ KillWait=5
 Waittime=0
 NodeName=$NODE NodeAddr=$HOST $HW State=UNKNOWN
 PrivateData=accounts,jobs,usage,users
+MaxJobCount=$MAX_JOB_COUNT
 PartitionName=$PARTITION Nodes=ALL Default=YES MaxTime=$MAX_TIME State=UP
 EOF
 
@@ -539,10 +546,11 @@ if ((${#new_tenants[@]})); then
     echo "${new_tenants[*]}"
   )" account="$ACCOUNT" cluster="$CLUSTER" >/dev/null
 fi
-# a tenant's own jobs may ask (or be raised to) no more than the provider offers
+# a tenant's own jobs may ask (or be raised to) no more than the provider offers, and be no more than MAX_SUBMIT
 for tenant in "${TENANTS[@]}"; do
-  if [[ $(sacctmgr -n -P show assoc where user="$tenant" account="$ACCOUNT" cluster="$CLUSTER" format=maxwall) != "$MAX_TIME" ]]; then
-    sacctmgr -i modify user where name="$tenant" account="$ACCOUNT" cluster="$CLUSTER" set maxwall="$MAX_TIME" >/dev/null
+  if [[ $(sacctmgr -n -P show assoc where user="$tenant" account="$ACCOUNT" cluster="$CLUSTER" format=maxwall,maxsubmit) != "$MAX_TIME|$MAX_SUBMIT" ]]; then
+    sacctmgr -i modify user where name="$tenant" account="$ACCOUNT" cluster="$CLUSTER" \
+      set maxwall="$MAX_TIME" maxsubmitjobs="$MAX_SUBMIT" >/dev/null
   fi
 done
 # the submit account cancels and reads tenants' jobs, whatever PrivateData hides from others: a Slurm operator

@@ -201,3 +201,21 @@ async def test_a_tenant_cannot_give_its_pending_job_more_than_it_was_accepted_wi
         assert provider.returncode == 0 and job_fields(env, job_id)["NumCPUs"] == "2", provider
     finally:
         sc.slurm_command(env, ["scancel", job_id])
+
+
+def test_no_tenant_can_fill_the_controllers_job_table(env: dict[str, Any]) -> None:
+    """A tenant's script that submits in a loop stops at its association's MaxSubmitJobs; every tenant's limit
+    together stays under the controller's MaxJobCount, so no tenant's flood makes another's (or the provider's)
+    sbatch fail with "Slurm temporarily unable to accept job"."""
+    shown = sc.slurm_command(env, ["scontrol", "show", "config"])
+    max_job_count = int(
+        next(line.split("=", 1)[1] for line in shown.splitlines() if line.startswith("MaxJobCount"))
+    )
+    limits = {}
+    for tenant in env["tenant_accounts"]:
+        row = sc.slurm_command(
+            env, ["sacctmgr", "-n", "-P", "show", "assoc", "where", f"user={tenant}", "format=maxsubmit"]
+        ).split()
+        limits[tenant] = int(row[0]) if row and row[0] else None
+    assert all(limit is not None for limit in limits.values()), f"a tenant without MaxSubmitJobs: {limits}"
+    assert sum(limit or 0 for limit in limits.values()) < max_job_count, (limits, max_job_count)
