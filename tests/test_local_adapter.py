@@ -895,6 +895,37 @@ async def test_a_lookalike_job_directory_is_set_aside_never_adopted(
     assert len(aside) == 1, "the look-alike is kept aside for the operator"
 
 
+def test_a_lookalikes_supervisor_that_starts_after_it_was_set_aside_leaves_the_new_job_alone(
+    tmp_path: Path,
+) -> None:
+    """The look-alike's supervisor can start late (a loaded host): by then the adapter has moved its directory
+    aside and made the workflow's own job under the same path. Claiming that path would mark the victim's job as
+    taken (its submit adopted a job that never ran: seen in CI); the late supervisor checks that the directory is
+    still the one whose lock it was handed, and leaves."""
+    jobdir = tmp_path / "local-0123456789abcdef0123"
+    jobdir.mkdir()
+    (jobdir / sup.META).write_text('{"workflow_id": "wf-forged"}')
+    lock_fd = os.open(jobdir / sup.LOCK, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        os.rename(jobdir, tmp_path / "set-aside")
+        jobdir.mkdir()
+        (jobdir / sup.META).write_text('{"workflow_id": "wf-victim"}')
+        (jobdir / sup.LOCK).touch()
+        late = subprocess.run(
+            [sys.executable, "-I", "-S", sup.__file__, "--lock-fd", str(lock_fd), str(jobdir)],
+            pass_fds=(lock_fd,),
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+    finally:
+        os.close(lock_fd)
+    assert late.returncode == 2, late
+    assert "moved or replaced" in late.stderr + late.stdout
+    assert not (jobdir / sup.STARTED).exists(), "the victim's job is not marked as taken"
+    assert sorted(p.name for p in jobdir.iterdir()) == [sup.LOCK, sup.META]
+
+
 def test_supervisors_of_old_jobs_sample_less_often() -> None:
     """At 1,000 running jobs, a /proc scan and a status write per job per second took both cores of the
     benchmark machine (benchmarks/load.py); young jobs keep one sample a second, old ones one per 10 s."""

@@ -771,6 +771,19 @@ def _daemonize() -> None:
         os._exit(0)
 
 
+def holds_the_directory(jobdir: Path, lock_fd: int) -> bool:
+    """Whether ``jobdir`` is still the directory whose lock this supervisor was handed. The adapter sets a
+    look-alike's directory aside (renames it) and makes the workflow's own job under the same path: a look-alike's
+    supervisor that starts, or writes its status, after that must not touch the new directory (it would mark the
+    victim's job as taken, or overwrite its status)."""
+    try:
+        here = os.stat(jobdir / LOCK, follow_symlinks=False)
+    except OSError:
+        return False
+    handed = os.fstat(lock_fd)
+    return (here.st_dev, here.st_ino) == (handed.st_dev, handed.st_ino)
+
+
 def _parse_args(argv: list[str]) -> tuple[int, Path]:
     """``--lock-fd N JOBDIR`` (parsed by hand: argparse costs milliseconds of start-up per job)."""
     if len(argv) != 3 or argv[0] != "--lock-fd" or not argv[1].isdigit():
@@ -786,6 +799,9 @@ def main(argv: list[str] | None = None) -> int:
         fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as exc:
         _log(f"the job lock was not handed over ({exc}); not starting")
+        return 2
+    if not holds_the_directory(jobdir, lock_fd):
+        _log(f"{jobdir} was moved or replaced since this supervisor was started; not starting")
         return 2
     meta = read_json(jobdir / META)
     if meta is None:
