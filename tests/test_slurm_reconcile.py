@@ -24,6 +24,7 @@ from tests import slurm_cluster as sc
 from tests.conftest import make_config
 from tests.pipeline_harness import running_pipeline
 from virtengine_hpc.cli import main as cli_main
+from virtengine_hpc.config import Config
 from virtengine_hpc.states import JobState
 from virtengine_hpc.usage import sum_metrics
 
@@ -44,6 +45,24 @@ def _cleanup(env: dict[str, Any]) -> Any:
     sc.remove_outputs(env, SCOPE)
 
 
+def pipeline_config(
+    tmp_path: Path, env: dict[str, Any], *, tenants: bool = True, **slurm: Any
+) -> tuple[Config, SlurmAdapter]:
+    """A cluster of its own over the CLI transport, fast polls and 2 s usage periods, and its adapter; ``slurm``
+    adds keys to the SLURM section, ``tenants=False`` leaves out the tenant accounts."""
+    hpc: dict[str, Any] = {
+        "scheduler_type": "slurm",
+        "cluster_id": f"slurm-{uuid.uuid4().hex[:8]}",
+        "job_service": {"job_poll_interval": "500ms", "vanished_job_grace": "60s"},
+        "usage_reporting": {"report_interval": "2s"},
+        "slurm": sc.slurm_section(env, "cli", **slurm),
+    }
+    if tenants:
+        hpc["tenants"] = sc.tenants_section(env)
+    config = make_config(tmp_path, hpc=hpc)
+    return config, SlurmAdapter.from_config(config, sc.secrets(env), config.hpc.cluster_id)
+
+
 def sacct_job(env: dict[str, Any], slurm_id: str) -> dict[str, str]:
     fields = ("JobIDRaw", "State", "ElapsedRaw", "AllocTRES", "Start", "End")
     out = sc.slurm_command(env, ["sacct", "-X", "-P", "-n", "-j", slurm_id, "-o", ",".join(fields)])
@@ -60,18 +79,7 @@ async def test_reconcile_agrees_with_sacct_for_jobs_of_every_outcome(
     env: dict[str, Any],
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    config = make_config(
-        tmp_path,
-        hpc={
-            "scheduler_type": "slurm",
-            "cluster_id": f"slurm-{uuid.uuid4().hex[:8]}",
-            "job_service": {"job_poll_interval": "500ms", "vanished_job_grace": "60s"},
-            "usage_reporting": {"report_interval": "2s"},
-            "slurm": sc.slurm_section(env, "cli"),
-            "tenants": sc.tenants_section(env),
-        },
-    )
-    adapter = SlurmAdapter.from_config(config, sc.secrets(env), config.hpc.cluster_id)
+    config, adapter = pipeline_config(tmp_path, env)
 
     def submit(script: str, **spec: Any) -> str:
         spec.setdefault("resources", {"memory_mb_per_node": 256})
@@ -205,17 +213,7 @@ async def test_a_requeued_job_is_billed_for_every_run_and_reconciles(
     """``scontrol requeue`` while the job runs: Slurm runs it again under the same id (after ~2 minutes), and
     plain ``sacct -j`` then shows the last run alone. Both runs held the allocation: the records bill both, and
     ``usage reconcile`` agrees, because the adapter reads every run (``sacct --duplicates``)."""
-    config = make_config(
-        tmp_path,
-        hpc={
-            "scheduler_type": "slurm",
-            "cluster_id": f"slurm-{uuid.uuid4().hex[:8]}",
-            "job_service": {"job_poll_interval": "500ms", "vanished_job_grace": "60s"},
-            "usage_reporting": {"report_interval": "2s"},
-            "slurm": sc.slurm_section(env, "cli"),
-        },
-    )
-    adapter = SlurmAdapter.from_config(config, sc.secrets(env), config.hpc.cluster_id)
+    config, adapter = pipeline_config(tmp_path, env, tenants=False)
     script = '#!/bin/bash\nif [ "${SLURM_RESTART_COUNT:-0}" -gt 0 ]; then sleep 3; exit 0; fi\nsleep 300\n'
     async with running_pipeline(client, config, key_path, adapter, task_queue) as pipe:
         job_id = pipe.submit(
@@ -271,18 +269,7 @@ async def test_a_job_that_requeues_and_renames_itself_is_billed_for_every_run(
     """A tenant's job requeues itself (its owner may) and, in its second run, renames itself and changes its
     comment (``scontrol update``): its first run held the allocation all the same and is billed. Before, an earlier
     run counted only under the latest run's name and comment: the records billed the second run alone."""
-    config = make_config(
-        tmp_path,
-        hpc={
-            "scheduler_type": "slurm",
-            "cluster_id": f"slurm-{uuid.uuid4().hex[:8]}",
-            "job_service": {"job_poll_interval": "500ms", "vanished_job_grace": "60s"},
-            "usage_reporting": {"report_interval": "2s"},
-            "slurm": sc.slurm_section(env, "cli"),
-            "tenants": sc.tenants_section(env),
-        },
-    )
-    adapter = SlurmAdapter.from_config(config, sc.secrets(env), config.hpc.cluster_id)
+    config, adapter = pipeline_config(tmp_path, env)
     script = (
         '#!/bin/bash\nif [ "${SLURM_RESTART_COUNT:-0}" -gt 0 ]; then\n'
         "  scontrol update JobId=$SLURM_JOB_ID JobName=renamed Comment=mine\n  sleep 3\n  exit 0\nfi\n"
@@ -321,18 +308,7 @@ async def test_a_job_cancelled_as_it_is_requeued_settles_on_the_run_it_had(
     """An operator requeues a running job and cancels it at once (before slurmdbd records its pending run):
     accounting's last word about it stays REQUEUED. It ends cancelled, billed for the run it had, and reconciles.
     Before, its final record waited for accounting for ever and the chain showed it running."""
-    config = make_config(
-        tmp_path,
-        hpc={
-            "scheduler_type": "slurm",
-            "cluster_id": f"slurm-{uuid.uuid4().hex[:8]}",
-            "job_service": {"job_poll_interval": "500ms", "vanished_job_grace": "60s"},
-            "usage_reporting": {"report_interval": "2s"},
-            "slurm": sc.slurm_section(env, "cli", accounting_grace="5s"),
-            "tenants": sc.tenants_section(env),
-        },
-    )
-    adapter = SlurmAdapter.from_config(config, sc.secrets(env), config.hpc.cluster_id)
+    config, adapter = pipeline_config(tmp_path, env, accounting_grace="5s")
     async with running_pipeline(client, config, key_path, adapter, task_queue) as pipe:
         job_id = pipe.submit(
             job_id=sc.workflow_id(SCOPE.rstrip("-")),
