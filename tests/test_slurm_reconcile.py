@@ -45,20 +45,17 @@ def _cleanup(env: dict[str, Any]) -> Any:
     sc.remove_outputs(env, SCOPE)
 
 
-def pipeline_config(
-    tmp_path: Path, env: dict[str, Any], *, tenants: bool = True, **slurm: Any
-) -> tuple[Config, SlurmAdapter]:
-    """A cluster of its own over the CLI transport, fast polls and 2 s usage periods, and its adapter; ``slurm``
-    adds keys to the SLURM section, ``tenants=False`` leaves out the tenant accounts."""
+def pipeline_config(tmp_path: Path, env: dict[str, Any], **slurm: Any) -> tuple[Config, SlurmAdapter]:
+    """A cluster of its own over the CLI transport, the test tenants' accounts, fast polls and 2 s usage periods,
+    and its adapter; ``slurm`` adds keys to the SLURM section."""
     hpc: dict[str, Any] = {
         "scheduler_type": "slurm",
         "cluster_id": f"slurm-{uuid.uuid4().hex[:8]}",
         "job_service": {"job_poll_interval": "500ms", "vanished_job_grace": "60s"},
         "usage_reporting": {"report_interval": "2s"},
         "slurm": sc.slurm_section(env, "cli", **slurm),
+        "tenants": sc.tenants_section(env),
     }
-    if tenants:
-        hpc["tenants"] = sc.tenants_section(env)
     config = make_config(tmp_path, hpc=hpc)
     return config, SlurmAdapter.from_config(config, sc.secrets(env), config.hpc.cluster_id)
 
@@ -213,7 +210,7 @@ async def test_a_requeued_job_is_billed_for_every_run_and_reconciles(
     """``scontrol requeue`` while the job runs: Slurm runs it again under the same id (after ~2 minutes), and
     plain ``sacct -j`` then shows the last run alone. Both runs held the allocation: the records bill both, and
     ``usage reconcile`` agrees, because the adapter reads every run (``sacct --duplicates``)."""
-    config, adapter = pipeline_config(tmp_path, env, tenants=False)
+    config, adapter = pipeline_config(tmp_path, env)
     script = '#!/bin/bash\nif [ "${SLURM_RESTART_COUNT:-0}" -gt 0 ]; then sleep 3; exit 0; fi\nsleep 300\n'
     async with running_pipeline(client, config, key_path, adapter, task_queue) as pipe:
         job_id = pipe.submit(
