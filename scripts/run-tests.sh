@@ -34,7 +34,8 @@ log "lint and types"
 .venv/bin/mypy virtengine_hpc workflows activities workers || exit 1
 
 log "pytest"
-.venv/bin/pytest -q "$@"
+# --durations: the 30 slowest tests close the report, to keep the suite's time in view (it should stay under 45 min)
+.venv/bin/pytest -q --durations=30 "$@"
 rc=$?
 if [ "$rc" = 5 ]; then echo "pytest collected no tests: that is a failure" >&2; rc=1; fi
 exit "$rc"
