@@ -895,6 +895,83 @@ async def test_a_lookalike_job_directory_is_set_aside_never_adopted(
     assert len(aside) == 1, "the look-alike is kept aside for the operator"
 
 
+async def test_a_running_lookalikes_supervisor_keeps_writing_into_the_directory_it_holds(
+    make_adapter: Callable[..., LocalAdapter],
+) -> None:
+    """A look-alike whose supervisor already runs when the adapter sets its directory aside: the supervisor
+    goes on sampling and then records its end. Written by path, those statuses landed in the directory the adapter
+    had just made for the workflow's own job: the victim's completed job showed the look-alike's failure and its
+    usage. Every write goes through the directory the supervisor holds, so they stay with the look-alike."""
+    adapter = make_adapter()
+    forger = LocalAdapter(
+        LocalSchedulerConfig(kill_wait="1s", allow_unisolated=True),
+        adapter.state_dir,
+        "test-cluster",
+        tenant_accounts(),
+        markers=MarkerKey(b"f" * 32, source="x"),
+    )
+    planted = await forger.submit(request("wf-victim", "sleep 2\nexit 3\n"))
+    await wait_for(forger, planted.scheduler_job_id, {JobState.RUNNING})
+    lookalike_supervisor = supervisor_pid(forger, planted.scheduler_job_id)
+    own = await adapter.submit(request("wf-victim", "echo the victim ran\n"))
+    assert not own.adopted
+    assert (await wait_final(adapter, own.scheduler_job_id)).state == JobState.COMPLETED
+    victim_supervisor = supervisor_pid(adapter, own.scheduler_job_id)
+    assert wait_gone(lookalike_supervisor), "the look-alike ends (exit 3) after 2 s"
+    status = sup.read_json(adapter.job_dir(own.scheduler_job_id) / sup.STATUS) or {}
+    assert (status["supervisor_pid"], status["state"], status["exit_code"]) == (
+        victim_supervisor,
+        "completed",
+        0,
+    )
+    assert (await adapter.status_batch([own.scheduler_job_id]))[
+        own.scheduler_job_id
+    ].state == JobState.COMPLETED
+    (aside,) = (adapter.state_dir / "tmp").glob(f"{planted.scheduler_job_id}.lookalike-*")
+    lookalike = sup.read_json(aside / sup.STATUS) or {}
+    assert (lookalike["supervisor_pid"], lookalike["state"], lookalike["exit_code"]) == (
+        lookalike_supervisor,
+        "failed",
+        3,
+    ), "the look-alike's end is recorded where it was set aside"
+
+
+async def test_a_queued_lookalike_set_aside_never_runs_the_new_jobs_script(
+    make_adapter: Callable[..., LocalAdapter], shared: Path
+) -> None:
+    """A look-alike waiting for a slot when it is set aside: bash opens the script by path, so once it got its
+    slot it ran the script the adapter had just written under that path, the victim's, a second time. It now
+    sees its directory is no longer under the path and records its job failed, in its own directory."""
+    adapter = make_adapter(max_parallel_jobs=1)
+    forger = LocalAdapter(
+        LocalSchedulerConfig(kill_wait="1s", allow_unisolated=True, max_parallel_jobs=1),
+        adapter.state_dir,
+        "test-cluster",
+        tenant_accounts(),
+        markers=MarkerKey(b"f" * 32, source="x"),
+    )
+    gate = shared / "gate"
+    blocker = await adapter.submit(request("wf-blocker", f"while [ ! -e {gate} ]; do sleep 0.05; done\n"))
+    await wait_for(adapter, blocker.scheduler_job_id, {JobState.RUNNING})
+    planted = await forger.submit(request("wf-victim", "echo the look-alike ran\n"))
+    supervisor_pid(forger, planted.scheduler_job_id)  # queued behind the blocker
+    own = await adapter.submit(request("wf-victim", f"echo the victim ran >> {shared}/ran\n"))
+    assert not own.adopted
+    gate.touch()
+    assert (await wait_final(adapter, own.scheduler_job_id)).state == JobState.COMPLETED
+    (aside,) = (adapter.state_dir / "tmp").glob(f"{planted.scheduler_job_id}.lookalike-*")
+    deadline = time.monotonic() + 30
+    while ((lookalike := sup.read_json(aside / sup.STATUS) or {}).get("state")) not in sup.FINAL_STATES:
+        assert time.monotonic() < deadline, lookalike
+        await asyncio.sleep(0.05)
+    assert (
+        lookalike["state"] == "failed"
+        and "moved or replaced before the script started" in lookalike["reason"]
+    )
+    assert (shared / "ran").read_text() == "the victim ran\n", "the victim's script ran once"
+    assert not (aside / sup.STDOUT).exists(), "the look-alike's own script never ran either"
+
+
 def test_a_lookalikes_supervisor_that_starts_after_it_was_set_aside_leaves_the_new_job_alone(
     tmp_path: Path,
 ) -> None:

@@ -284,23 +284,30 @@ def write_all(fd: int, data: bytes) -> None:
         view = view[os.write(fd, view) :]
 
 
-def write_json_atomic(path: Path, data: dict[str, Any], *, durable: bool) -> None:
+def write_json_atomic(
+    path: str | Path, data: dict[str, Any], *, durable: bool, dir_fd: int | None = None
+) -> None:
     """Write ``data`` to ``path`` through a temporary file and a rename: readers see old or new, never half.
 
     ``durable`` also fsyncs the file and its directory: used for the states that must survive a host crash.
+    With ``dir_fd``, ``path`` is a name in that directory (the one a supervisor holds, wherever it was moved).
     """
+    path = Path(path)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     payload = json.dumps(data, sort_keys=True).encode()
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600, dir_fd=dir_fd)
     try:
         write_all(fd, payload)
         if durable:
             os.fsync(fd)
     finally:
         os.close(fd)
-    os.replace(tmp, path)
+    os.replace(tmp, path, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
     if durable:
-        fsync_dir(path.parent)
+        if dir_fd is None:
+            fsync_dir(path.parent)
+        else:
+            os.fsync(dir_fd)
 
 
 def fsync_dir(path: Path) -> None:
@@ -311,48 +318,65 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def read_json(path: str | Path) -> dict[str, Any] | None:
+def read_json(path: str | Path, dir_fd: int | None = None) -> dict[str, Any] | None:
     try:
-        with open(path, "rb") as fh:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC, dir_fd=dir_fd)
+        with open(fd, "rb") as fh:
             data = json.loads(fh.read())
     except (OSError, ValueError):
         return None
     return data if isinstance(data, dict) else None
 
 
-def claim_marker(jobdir: Path, pid: int) -> bool:
+def exists_in(dir_fd: int, name: str) -> bool:
+    """Whether ``name`` exists in the directory ``dir_fd`` (a link counts, not followed)."""
+    try:
+        os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+    except OSError:
+        return False
+    return True
+
+
+def claim_marker(jobdir: Path, pid: int, dir_fd: int | None = None) -> bool:
     """Record that the supervisor ``pid`` owns the job; False if another supervisor already does.
 
     Both the submitter (right after spawning) and the supervisor (first thing) call this with the supervisor's
     pid: whichever comes first creates the marker, the other finds its own pid in it. A marker naming another
     pid means some earlier supervisor took the job, and this one must not run it. The marker appears whole
     (written aside, then hard-linked into place, which fails if it exists) and is on disk before this returns
-    True, so a host crash cannot lose it once the script may run.
+    True, so a host crash cannot lose it once the script may run. The supervisor passes ``dir_fd``, the directory
+    it holds: the names are then taken in it, never by a path the adapter may have given to another job.
     """
-    path = jobdir / STARTED
-    tmp = jobdir / f".{STARTED}.{os.getpid()}.tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+    at = Path() if dir_fd is not None else jobdir
+    tmp = at / f".{STARTED}.{os.getpid()}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600, dir_fd=dir_fd)
     try:
         os.write(fd, f"{pid}\n".encode())
         os.fsync(fd)
     finally:
         os.close(fd)
     try:
-        os.link(tmp, path)
+        os.link(tmp, at / STARTED, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
     except FileExistsError:
-        if marker_pid(jobdir) != pid:
+        if marker_pid(jobdir, dir_fd) != pid:
             return False
     finally:
-        os.unlink(tmp)
+        os.unlink(tmp, dir_fd=dir_fd)
     # Also when the other party linked it: it may not have reached its own fsync of the directory yet.
-    fsync_dir(jobdir)
+    if dir_fd is None:
+        fsync_dir(jobdir)
+    else:
+        os.fsync(dir_fd)
     return True
 
 
-def marker_pid(jobdir: Path) -> int | None:
+def marker_pid(jobdir: Path, dir_fd: int | None = None) -> int | None:
     """The pid of the supervisor that owns the job (from its ``started`` marker), if any."""
     try:
-        with open(jobdir / STARTED, "rb") as fh:
+        fd = os.open(
+            STARTED if dir_fd is not None else jobdir / STARTED, os.O_RDONLY | os.O_CLOEXEC, dir_fd=dir_fd
+        )
+        with open(fd, "rb") as fh:
             return int(fh.read().split()[0])
     except (OSError, ValueError, IndexError):
         return None
@@ -421,9 +445,9 @@ class EnterJob:
         raise RuntimeError(message)
 
 
-def _last_line(path: Path) -> str:
+def _last_line(name: str, dir_fd: int) -> str:
     try:
-        with open(path, "rb") as fh:
+        with open(os.open(name, os.O_RDONLY | os.O_CLOEXEC, dir_fd=dir_fd), "rb") as fh:
             lines = fh.read()[-1000:].decode(errors="replace").strip().splitlines()
     except OSError:
         return ""
@@ -437,8 +461,13 @@ def _log(message: str) -> None:
 
 # ---- the supervisor ----------------------------------------------------------------------------------------
 class Supervisor:
-    def __init__(self, jobdir: Path, meta: dict[str, Any]) -> None:
+    """Runs one job. Every file it reads or writes in the job directory is named relative to ``dir_fd``, the
+    directory it was handed (``open_held_directory``): if the adapter sets that directory aside (a look-alike) and
+    makes another job under the same path, this supervisor's statuses, marker and outputs stay with its own job."""
+
+    def __init__(self, jobdir: Path, meta: dict[str, Any], dir_fd: int) -> None:
         self.jobdir = jobdir
+        self.dir_fd = dir_fd
         self.meta = meta
         self.limits = meta["limits"]
         self._signalled: int | None = None
@@ -495,10 +524,10 @@ class Supervisor:
                 pass
 
     def cancel_requested(self) -> bool:
-        return self._signalled is not None or (self.jobdir / CANCEL).exists()
+        return self._signalled is not None or exists_in(self.dir_fd, CANCEL)
 
     def cancel_reason(self) -> str:
-        if (self.jobdir / CANCEL).exists():
+        if exists_in(self.dir_fd, CANCEL):
             return "cancelled on request"
         return f"cancelled: the supervisor received {signal_name(self._signalled or signal.SIGTERM)}"
 
@@ -508,7 +537,7 @@ class Supervisor:
         if self._integrator is not None:
             self.status["usage"] = self._integrator.as_dict()
         try:
-            write_json_atomic(self.jobdir / STATUS, self.status, durable=durable)
+            write_json_atomic(STATUS, self.status, durable=durable, dir_fd=self.dir_fd)
         except OSError as exc:  # a full disk must not kill the job; the next write may succeed
             _log(f"cannot write the status file: {exc}")
 
@@ -587,9 +616,15 @@ class Supervisor:
         """
         workdir = self.meta["working_directory"]
         run_as = self.meta.get("run_as")
+        if not still_named(self.jobdir, self.dir_fd):
+            # bash opens the script, and the job enters its default working directory, by path: under that
+            # path is now another job's directory.
+            return (
+                f"its job directory was moved or replaced before the script started ({self.jobdir}); not run"
+            )
         flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC
-        out = os.open(self.jobdir / STDOUT, flags, 0o600)
-        err = os.open(self.jobdir / STDERR, flags, 0o600)
+        out = os.open(STDOUT, flags, 0o600, dir_fd=self.dir_fd)
+        err = os.open(STDERR, flags, 0o600, dir_fd=self.dir_fd)
         account = f" as {run_as['user']}" if run_as else ""
         try:
             # A fixed argv: the script travels as a file path, never as a shell string.
@@ -608,7 +643,7 @@ class Supervisor:
                 preexec_fn=EnterJob(workdir, self.limits.get("rlimits") or {}, account),
             )
         except subprocess.SubprocessError:  # EnterJob refused; it said why on the job's stderr
-            return _last_line(self.jobdir / STDERR) or f"cannot start the job script{account} in {workdir}"
+            return _last_line(STDERR, self.dir_fd) or f"cannot start the job script{account} in {workdir}"
         except OSError as exc:
             return f"cannot start the job script{account} in {workdir}: {exc.strerror or exc}"
         finally:
@@ -771,17 +806,39 @@ def _daemonize() -> None:
         os._exit(0)
 
 
-def holds_the_directory(jobdir: Path, lock_fd: int) -> bool:
-    """Whether ``jobdir`` is still the directory whose lock this supervisor was handed. The adapter sets a
-    look-alike's directory aside (renames it) and makes the workflow's own job under the same path: a look-alike's
-    supervisor that starts, or writes its status, after that must not touch the new directory (it would mark the
-    victim's job as taken, or overwrite its status)."""
+def open_held_directory(jobdir: Path, lock_fd: int) -> int | None:
+    """A descriptor of the directory whose lock this supervisor was handed, or ``None`` if ``jobdir`` no longer
+    names it.
+
+    The adapter sets a look-alike's directory aside (renames it) and makes the workflow's own job under the same
+    path. A look-alike's supervisor that starts after that must not touch the new directory (it would mark the
+    victim's job as taken); one that runs on must keep writing its status into its own (it would overwrite the
+    victim's state and usage). The descriptor is checked once, by the lock inside it, and follows the directory
+    wherever it is renamed: every later name is taken relative to it, so no check can go stale.
+    """
     try:
-        here = os.stat(jobdir / LOCK, follow_symlinks=False)
+        dir_fd = os.open(jobdir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        here = os.stat(LOCK, dir_fd=dir_fd, follow_symlinks=False)
+    except OSError:
+        here = None
+    handed = os.fstat(lock_fd)
+    if here is None or (here.st_dev, here.st_ino) != (handed.st_dev, handed.st_ino):
+        os.close(dir_fd)
+        return None
+    return dir_fd
+
+
+def still_named(jobdir: Path, dir_fd: int) -> bool:
+    """Whether the path ``jobdir`` still names the directory ``dir_fd``."""
+    try:
+        here = os.stat(jobdir, follow_symlinks=False)
     except OSError:
         return False
-    handed = os.fstat(lock_fd)
-    return (here.st_dev, here.st_ino) == (handed.st_dev, handed.st_ino)
+    held = os.fstat(dir_fd)
+    return (here.st_dev, here.st_ino) == (held.st_dev, held.st_ino)
 
 
 def _parse_args(argv: list[str]) -> tuple[int, Path]:
@@ -800,18 +857,19 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as exc:
         _log(f"the job lock was not handed over ({exc}); not starting")
         return 2
-    if not holds_the_directory(jobdir, lock_fd):
+    dir_fd = open_held_directory(jobdir, lock_fd)
+    if dir_fd is None:
         _log(f"{jobdir} was moved or replaced since this supervisor was started; not starting")
         return 2
-    meta = read_json(jobdir / META)
+    meta = read_json(META, dir_fd)
     if meta is None:
         _log(f"cannot read {jobdir / META}; not starting")
         return 2
-    if not claim_marker(jobdir, os.getpid()):
+    if not claim_marker(jobdir, os.getpid(), dir_fd):
         _log("the job was already taken by another supervisor; not running it twice")
         return 3
     _daemonize()
-    supervisor = Supervisor(jobdir, meta)
+    supervisor = Supervisor(jobdir, meta, dir_fd)
     supervisor.install_signals()
     supervisor.write_status()
     return supervisor.run()
