@@ -19,6 +19,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
+from datetime import datetime, timedelta, tzinfo
 from decimal import Decimal
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,7 @@ import pytest
 
 from activities.schedulers.base import Accounting, NativeStatus, SubmitRequest, SubmitResult
 from activities.schedulers.slurm import SlurmAdapter
+from activities.schedulers.slurm import adapter as adapter_module
 from activities.schedulers.slurm.script import SubmitPlan
 from activities.schedulers.slurm.transports import SSHRunner
 from tests import slurm_cluster as sc
@@ -276,11 +278,11 @@ async def test_cpu_burner_usage_matches_sacct(
     assert all((r.cpu_time_seconds or 0) <= final_cpu for r in readings)
     # slurmrestd v0.0.38 has no sstat, and over SSH the provider's account may not read a tenant's running steps
     # (slurmd refuses an operator; asking as the tenant would take the tenant's word): CPU arrives with the final
-    # accounting there.
+    # accounting there (a reading while the job is COMPLETING may already have its ended step's, the final figure).
     if transport(slurm) == "cli":
         assert max(r.cpu_time_seconds or 0 for r in readings) > 0, "sstat saw the CPU being burnt"
     else:
-        assert all(r.cpu_time_seconds == 0 for r in readings) and final_cpu > 0
+        assert all(r.cpu_time_seconds in (0, final_cpu) for r in readings) and final_cpu > 0, readings
 
 
 async def test_hostile_environment_stays_literal_and_tenant_directives_are_ignored(
@@ -682,3 +684,52 @@ async def test_a_suspended_jobs_run_time_excludes_its_suspension_on_every_transp
             await adapters["cli"].cancel(job_id)
         for adapter in adapters.values():
             await adapter.close()
+
+
+class _WorkerAhead(datetime):
+    """The worker's clock a minute ahead of the controller's (what the adapter's module reads as ``datetime``)."""
+
+    @classmethod
+    def now(cls, tz: tzinfo | None = None) -> datetime:  # type: ignore[override]
+        return datetime.now(tz) + timedelta(seconds=60)
+
+
+async def test_slurmrestd_counts_a_running_jobs_time_on_the_controllers_clock(
+    env: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """slurmrestd gives no run time of a running job, so the adapter counts it from the job's start, which is on the
+    controller's clock. With the worker's clock a minute ahead, every running reading billed that minute (and the
+    final record, which cannot be negative, never took it back); it is now what ``squeue``'s TimeUsed says."""
+    cli, rest = sc.adapter(env, "cli"), sc.adapter(env, "rest")
+    monkeypatch.setattr(adapter_module, "datetime", _WorkerAhead)
+    wf = wid("skew")
+    job_id = ""
+
+    def time_used() -> int:
+        used = sc.slurm_command(env, ["squeue", "-h", "-j", job_id, "-O", "TimeUsed"]).strip()
+        return sum(int(part) * 60**i for i, part in enumerate(reversed(used.split(":"))))
+
+    try:
+        submitted = await rest.submit(
+            SubmitRequest(workflow_id=wf, job=sc.spec(wf, "sleep 8\n"), body="sleep 8\n")
+        )
+        job_id = submitted.scheduler_job_id
+        await sc.wait_for(cli, job_id, lambda s: s.state == JobState.RUNNING, timeout=120)
+        await asyncio.sleep(2)
+        before = time_used()
+        running = await rest.usage(job_id)
+        after = time_used()
+        assert not running.final
+        assert before <= running.reading.wall_clock_seconds <= after, (before, running.reading, after)
+        await sc.wait_final(cli, job_id)
+        for _ in range(60):  # accounting records the end a moment after the controller
+            final = await rest.usage(job_id)
+            if final.final:
+                break
+            await asyncio.sleep(1)
+        assert final.final and final.reading.wall_clock_seconds >= running.reading.wall_clock_seconds
+    finally:
+        if job_id:
+            await cli.cancel(job_id)
+        await cli.close()
+        await rest.close()

@@ -42,11 +42,21 @@ class GoldenBackend(SlurmBackend):
     description = "golden output"
 
     def __init__(
-        self, sacct: str, sstat: str = "", queued: Sequence[p.QueueJob] = (), rest: dict | None = None
+        self,
+        sacct: str,
+        sstat: str = "",
+        queued: Sequence[p.QueueJob] = (),
+        rest: dict | None = None,
+        clock: datetime | None = None,
     ) -> None:
-        """``rest``: accounting as slurmdbd's REST answers it instead of ``sacct`` (a ``GET .../job/{id}`` body)."""
+        """``rest``: accounting as slurmdbd's REST answers it instead of ``sacct`` (a ``GET .../job/{id}`` body);
+        ``clock``: the controller's clock, as slurmrestd's ``/diag`` tells it."""
         super().__init__()
         self.sacct, self.sstat, self.queued, self.rest = sacct, sstat, list(queued), rest
+        self.clock = clock
+
+    async def controller_clock(self) -> datetime | None:
+        return self.clock
 
     async def cluster_info(self) -> ClusterInfo:
         return ClusterInfo(cluster_name="localcluster")
@@ -297,6 +307,22 @@ async def test_slurmrestd_reads_a_job_never_suspended_from_its_start() -> None:
     job = rest_job("RUNNING", now - timedelta(seconds=30), None, 0)
     usage = await adapter(GoldenBackend("", queued=[job])).usage(job.job_id)
     assert 30 <= usage.reading.wall_clock_seconds <= 31
+
+
+async def test_slurmrestd_counts_run_time_on_the_controllers_clock_not_the_workers() -> None:
+    """The worker's clock is 60 s ahead of the controller's: a job that has run 30 s by the controller's clock (its
+    start is on that clock) has run 30 s, not 90 (before: every running reading billed the skew, and the final
+    record, which cannot be negative, never took it back)."""
+    controller_now = datetime.now(UTC) - timedelta(seconds=60)
+    job = rest_job("RUNNING", controller_now - timedelta(seconds=30), None, 0)
+    usage = await adapter(GoldenBackend("", queued=[job], clock=controller_now)).usage(job.job_id)
+    assert usage.reading.wall_clock_seconds == 30
+    # Resumed 10 s ago after a suspension (its suspend_time is then the resume): 40 s before it, 10 s since.
+    resumed = rest_job(
+        "RUNNING", controller_now - timedelta(seconds=80), controller_now - timedelta(seconds=10), 40
+    )
+    usage = await adapter(GoldenBackend("", queued=[resumed], clock=controller_now)).usage(resumed.job_id)
+    assert usage.reading.wall_clock_seconds == 50
 
 
 # ---- sites with energy, GPU and interconnect accounting (composed shapes) ----------------------------------------

@@ -550,12 +550,14 @@ class SlurmAdapter(BatchSchedulerAdapter):
         return await retrying(lambda: self._usage(job_id), self.backoff, f"usage of {job_id}")
 
     async def _usage(self, job_id: str) -> Accounting:
+        # Read before the job: a run time counted to this instant never reaches past the job's end.
+        clock = await self._controller_clock()
         queued = next(iter(await self.backend.queue([job_id])), None)
         mapped = map_state(queued.state) if queued is not None else None
         if queued is not None and mapped is not None and not mapped.state.final:
             if mapped.state not in _RUNNING_LIKE:
                 return Accounting(scheduler_job_id=job_id)  # not started (or requeued): nothing more used yet
-            return await self._running_usage(job_id, queued)
+            return await self._running_usage(job_id, queued, clock)
         accounted: p.AcctJob | None = None
         if self._accounting_enabled:
             try:
@@ -576,7 +578,24 @@ class SlurmAdapter(BatchSchedulerAdapter):
         reading = self._accounting_reading(accounted, taken_at=datetime.now(UTC))
         return self._monotone(job_id, reading, accounted, final=False)
 
-    async def _running_usage(self, job_id: str, job: p.QueueJob) -> Accounting:
+    async def _controller_clock(self) -> datetime | None:
+        """The controller's clock where the adapter must count a running job's run time itself (slurmrestd). A
+        worker's clock ahead of the controller's billed the difference in every running reading, and the final
+        record, which cannot be negative, never took it back. A controller that will not tell (a transient error
+        is retried): the worker's clock, with a warning."""
+        try:
+            return await self.backend.controller_clock()
+        except SchedulerError as exc:
+            if exc.transient:
+                raise
+            log.warning(
+                "cannot read the controller's clock of %s (%s): run time by this worker's",
+                self.cluster_id,
+                exc,
+            )
+            return None
+
+    async def _running_usage(self, job_id: str, job: p.QueueJob, clock: datetime | None) -> Accounting:
         live_task = asyncio.create_task(self.backend.live_steps(job_id))
         try:
             ended = await self.backend.accounting([job_id], steps=True) if self._accounting_enabled else []
@@ -600,8 +619,8 @@ class SlurmAdapter(BatchSchedulerAdapter):
             self._see(seen, step_live.step_id, _live_step(step_live))
         now = datetime.now(UTC)
         elapsed = job.elapsed_seconds
-        if elapsed is None:  # slurmrestd gives no run time: derive it as the controller does
-            elapsed = _run_time(job, now)
+        if elapsed is None:  # slurmrestd gives no run time: derive it as the controller does, on its clock
+            elapsed = _run_time(job, clock or now)
         reading = _job_reading(list(seen.values()), Decimal(elapsed), job.alloc_tres, taken_at=now)
         if earlier:  # a requeued job: its earlier runs, closed in accounting, are billed as well
             reading = _runs_reading([*(_run_reading(r, taken_at=now) for r in earlier), reading])

@@ -12,7 +12,8 @@ benchmark and tests.
   a Slurm operator.
 * ``RestBackend``: slurmrestd ``/slurm/<v>/...`` and ``/slurmdb/<v>/...``; JWT auth; a tenant's job is submitted
   with ``X-SLURM-USER-NAME`` set to the tenant's account (a token of SlurmUser may do that). slurmrestd v0.0.38 has no
-  sstat (live usage is wall clock and allocation; CPU arrives with the final accounting), no node update (drain
+  sstat (live usage is wall clock and allocation; CPU arrives with the final accounting) and no run time of a running
+  job (the adapter counts it from the job's times on the controller's clock, ``/diag``), no node update (drain
   needs the CLI or SSH transport) and no job-id filter on ``/slurmdb/<v>/jobs`` (vanished jobs are looked up one by
   one — they are rare: only jobs the controller forgot).
 * ``PyslurmBackend``: pyslurm's 22.5 API, for sites whose Slurm matches a pyslurm release.
@@ -149,6 +150,11 @@ class SlurmBackend(abc.ABC):
 
     async def live_steps(self, job_id: str) -> list[p.LiveStep] | None:
         """Usage so far of a running job's steps; ``None`` when this transport cannot tell."""
+        return None
+
+    async def controller_clock(self) -> datetime | None:
+        """The controller's clock, where this transport gives no run time of a running job and the adapter derives
+        it from the job's start (slurmrestd); ``None`` where the controller's own count comes with the job."""
         return None
 
     @abc.abstractmethod
@@ -577,6 +583,15 @@ class RestBackend(SlurmBackend):
     async def queue_live(self) -> list[p.QueueJob]:
         users = set(self.lookup_users)
         return [job for job in await self._all_jobs() if job.user in users]
+
+    async def controller_clock(self) -> datetime | None:
+        """slurmctld's clock (``/diag``: ``req_time``, when it answered, in whole seconds): a running job's start
+        and suspend times are on this clock, the worker's may be ahead of it."""
+        body = await self._get("diag", f"{self.slurm}/diag")
+        stamp = (body.get("statistics") or {}).get("req_time")
+        if isinstance(stamp, int) and not isinstance(stamp, bool) and stamp > 0:
+            return datetime.fromtimestamp(stamp, UTC)
+        raise await self._fail(p.rest_errors(body), "slurmrestd diag", SchedulerError)
 
     async def _db_job(self, job_id: str) -> list[p.AcctJob]:
         body = await self._get("slurmdb/job", f"{self.slurmdb}/job/{job_id}")
