@@ -1,18 +1,22 @@
 """The optional pyslurm transport against the local cluster.
 
-No pyslurm release on PyPI matches Slurm 22.05, so these tests skip wherever pyslurm is
-not installed, which includes this project's CI. A site whose Slurm matches a pyslurm release installs it and runs
-them against its own cluster: the configuration must say ``transport: pyslurm``.
+No pyslurm release on PyPI matches Slurm 22.05, so the tests of pyslurm itself skip wherever it is not installed,
+which includes this project's CI. A site whose Slurm matches a pyslurm release installs it and runs them against its
+own cluster: the configuration must say ``transport: pyslurm``. The transport's accounting (``sacct``, not pyslurm)
+is tested here on the real cluster, with a stand-in for pyslurm's part.
 """
 
 from __future__ import annotations
 
+import asyncio
+import types
 from typing import Any
 
 import pytest
 
 from activities.schedulers.base import SubmitRequest
 from activities.schedulers.slurm import SlurmAdapter
+from activities.schedulers.slurm import adapter as adapter_module
 from tests import slurm_cluster as sc
 from virtengine_hpc.config import Secrets
 from virtengine_hpc.errors import ConfigError
@@ -62,3 +66,55 @@ async def test_pyslurm_submit_status_cancel() -> None:
     finally:
         await adapter.close()
         sc.cancel_test_jobs(env, SCOPE)
+
+
+async def test_pyslurm_transport_bills_every_run_of_a_requeued_job(monkeypatch: pytest.MonkeyPatch) -> None:
+    """pyslurm 22.5's accounting API returns one record per job id (its filter never asks slurmdbd for a requeued
+    job's earlier runs), so the transport reads accounting with ``sacct --duplicates``: a job requeued after a few
+    seconds and cancelled while pending again is billed its first run, not the 0 s of its last record.
+
+    pyslurm cannot be installed here: a stand-in module plays the controller's part, holding no job (as once
+    ``MinJobAge`` has passed), and the accounting under test is the real cluster's, read by the pyslurm transport."""
+    env: dict[str, Any] = sc.cluster()
+    stand_in = types.ModuleType("pyslurm")
+    stand_in.Jobs = types.SimpleNamespace(load=dict)  # type: ignore[attr-defined]
+    monkeypatch.setattr(adapter_module, "load_pyslurm", lambda: stand_in)
+    cli = sc.adapter(env, "cli")
+    pys = sc.adapter(env, "pyslurm", tenants={"isolation": "none"})
+    wf = sc.workflow_id(SCOPE + "requeued")
+    job_id = ""
+
+    def runs(*extra: str) -> list[list[str]]:
+        out = sc.slurm_command(
+            env, ["sacct", *extra, "-X", "-P", "-n", "-j", job_id, "-o", "State,ElapsedRaw"]
+        )
+        return [line.split("|") for line in out.splitlines() if line]
+
+    try:
+        submitted = await cli.submit(
+            SubmitRequest(workflow_id=wf, job=sc.spec(wf, "sleep 300\n"), body="sleep 300\n")
+        )
+        job_id = submitted.scheduler_job_id
+        await sc.wait_for(cli, job_id, lambda s: s.state == JobState.RUNNING, timeout=120)
+        await asyncio.sleep(4)
+        sc.slurm_command(env, ["scontrol", "requeue", job_id])
+        for _ in range(60):  # slurmdbd records the pending run a moment after the requeue
+            if len(runs("--duplicates")) == 2:
+                break
+            await asyncio.sleep(0.5)
+        sc.slurm_command(env, ["scancel", job_id])
+        for _ in range(60):
+            usage = await pys.usage(job_id)
+            if usage.final:
+                break
+            await asyncio.sleep(1)
+        every = runs("--duplicates")
+        assert [r[0].split()[0] for r in every] == ["REQUEUED", "CANCELLED"] and int(every[0][1]) >= 4, every
+        assert [r[1] for r in runs()] == ["0"]  # the latest record alone: what pyslurm's accounting API gives
+        assert usage.final and usage.reading.wall_clock_seconds == sum(int(r[1]) for r in every), every
+        assert pys.calls["sacct"] >= 1
+    finally:
+        if job_id:
+            await cli.cancel(job_id)
+        await cli.close()
+        await pys.close()

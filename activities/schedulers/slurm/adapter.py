@@ -203,7 +203,15 @@ class SlurmAdapter(BatchSchedulerAdapter):
                     "install the release matching your Slurm, or use cli, ssh or rest)"
                 )
             user = pwd.getpwuid(os.getuid()).pw_name
-            backend = PyslurmBackend(module, cluster=s.cluster_name, user=user)
+            sacct = CliBackend(
+                CommandExecutor(
+                    LocalRunner(slurm_conf=s.slurm_conf, extra_env=s.remote_env), TRANSIENT_PATTERNS, timeout
+                ),
+                cluster=s.cluster_name,
+                user=user,
+                lookback_days=lookback_days,
+            )
+            backend = PyslurmBackend(module, cluster=s.cluster_name, user=user, sacct=sacct)
         adapter = cls(
             backend,
             cluster_id=cluster_id,

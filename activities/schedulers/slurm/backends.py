@@ -16,7 +16,8 @@ benchmark and tests.
   job (the adapter counts it from the job's times on the controller's clock, ``/diag``), no node update (drain
   needs the CLI or SSH transport) and no job-id filter on ``/slurmdb/<v>/jobs`` (vanished jobs are looked up one by
   one — they are rare: only jobs the controller forgot).
-* ``PyslurmBackend``: pyslurm's 22.5 API, for sites whose Slurm matches a pyslurm release.
+* ``PyslurmBackend``: pyslurm's 22.5 API for the controller, ``sacct`` for accounting (pyslurm's cannot read a
+  requeued job's earlier runs), for sites whose Slurm matches a pyslurm release.
 """
 
 from __future__ import annotations
@@ -28,7 +29,6 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
-from decimal import Decimal
 from types import ModuleType
 from typing import Any
 
@@ -673,19 +673,28 @@ class RestBackend(SlurmBackend):
 
 
 class PyslurmBackend(SlurmBackend):
-    """pyslurm 22.5's object API, run in threads (libslurm calls block).
+    """pyslurm 22.5's object API for the controller (run in threads: libslurm calls block), ``sacct`` for accounting.
 
-    Not exercised by this project's CI: no pyslurm release on PyPI matches the Slurm 22.05 it runs. Sites whose
-    Slurm matches a pyslurm release can use it; the adapter logic on top is the one the CLI and REST tests cover.
+    pyslurm cannot read a requeued job's earlier runs: its database filter (``pyslurm.db.JobFilter``) never asks
+    slurmdbd for them (it sets ``JOBCOND_FLAG_NO_TRUNC`` alone, never ``JOBCOND_FLAG_DUP``, and takes no flags), and
+    both its database APIs key their answer by job id (``db.Jobs`` and the old ``slurmdb_jobs().get(flags=...)``),
+    so a run hides the others. Every run held its allocation and is billed, so accounting comes from
+    ``sacct --duplicates`` on the worker's host (``sacct``: the client commands of the Slurm whose libslurm pyslurm
+    links, with the same ``slurm.conf``), as on the cli transport.
+
+    Not exercised with pyslurm itself by this project's CI: no pyslurm release on PyPI matches the Slurm 22.05 it
+    runs. Its accounting is the cli transport's, tested on the real cluster.
     """
 
-    def __init__(self, pyslurm: ModuleType, *, cluster: str, user: str) -> None:
+    def __init__(self, pyslurm: ModuleType, *, cluster: str, user: str, sacct: CliBackend) -> None:
         super().__init__()
         self.pyslurm = pyslurm
         self.cluster = cluster
         self.user = user
         self.lookup_users = (user,)
         self.description = f"pyslurm {getattr(pyslurm, '__version__', '?')}"
+        self.sacct = sacct
+        self.sacct.calls = self.calls  # one count of this transport's queries
 
     async def _call(self, kind: str, fn: Any, *args: Any) -> Any:
         self.calls[kind] += 1
@@ -773,42 +782,11 @@ class PyslurmBackend(SlurmBackend):
         users = set(self.lookup_users)
         return [job for job in await self._all() if job.user in users]
 
-    def _acct_job(self, job: Any) -> p.AcctJob:
-        stats = getattr(job, "stats", None)
-        cpu = getattr(stats, "total_cpu_time", None)
-        rss = getattr(stats, "max_resident_memory", None)
-        return p.AcctJob(
-            job_id=str(job.id),
-            state=str(job.state or ""),
-            exit_code=p.exit_code_from_pair(str(getattr(job, "exit_code", "") or "")),
-            elapsed_seconds=int(getattr(job, "elapsed_time", 0) or 0),
-            total_cpu_seconds=Decimal(cpu) if cpu else None,
-            alloc_tres=p.parse_tres(str(getattr(job, "allocated_tres", "") or ""), usage=False),
-            user=str(getattr(job, "user_name", "") or ""),
-            name=str(job.name or ""),
-            comment=str(getattr(job, "comment", "") or ""),
-            # pyslurm sums the steps itself: one pseudo-step carries the job's CPU time and peak memory.
-            steps=[
-                p.AcctStep(
-                    step_id="job",
-                    state=str(job.state or ""),
-                    total_cpu_seconds=Decimal(cpu) if cpu else Decimal(0),
-                    max_rss_bytes=int(rss) if rss else None,
-                )
-            ],
-        )
-
     async def accounting(self, job_ids: Sequence[str], *, steps: bool) -> list[p.AcctJob]:
-        db = self.pyslurm.db
-        jobs = await self._call("db.jobs", lambda: db.Jobs.load(db.JobFilter(ids=[int(i) for i in job_ids])))
-        return [self._acct_job(job) for job in jobs.values()]
+        return await self.sacct.accounting(job_ids, steps=steps)
 
     async def accounting_by_names(self, names: Sequence[str]) -> list[p.AcctJob]:
-        db = self.pyslurm.db
-        jobs = await self._call(
-            "db.jobs", lambda: db.Jobs.load(db.JobFilter(names=list(names), users=list(self.lookup_users)))
-        )
-        return [self._acct_job(job) for job in jobs.values()]
+        return await self.sacct.accounting_by_names(names)
 
     async def cancel(self, job_ids: Sequence[str]) -> None:
         for job_id in job_ids:
@@ -823,3 +801,6 @@ class PyslurmBackend(SlurmBackend):
     async def node_busy(self, node: str) -> bool:
         loaded = await self._call("node", lambda: self.pyslurm.Node.load(check_node(node)))
         return bool(getattr(loaded, "allocated_cpus", 0))
+
+    async def close(self) -> None:
+        await self.sacct.close()
