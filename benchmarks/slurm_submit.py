@@ -5,14 +5,21 @@ worker's ``StatusBatcher``.
 Run (root, cluster up via ``temporal-dev/slurm-up.sh``)::
 
     .venv/bin/python -m benchmarks.slurm_submit [--transport all|cli|ssh|rest] [--raw 100] [--sequential 100]
-        [--submit-rounds 3] [--concurrent] [--jobs 1000] [--concurrency 32] [--interval 1.0] [--rounds 5]
+        [--submit-rounds 3] [--switch-user runuser|setpriv] [--concurrent] [--jobs 1000] [--concurrency 32]
+        [--interval 1.0] [--rounds 5]
+
+The adapter submits as a real deploy does, with per-tenant accounts (``hpc.tenants``): the benchmark's tenant is
+mapped to the cluster's first tenant account, and the cli transport switches to it with ``hpc.slurm.switch_user``
+(the configuration's default unless ``--switch-user`` says otherwise).
 
 All jobs are submitted held (``--hold``: they never run; PSI/J's with ``--begin`` an hour ahead, its template
 has no flag without a value), named ``vehpc-bench-<run>-*``, and cancelled at the end (also after an error).
 Figures go to ``docs/benchmarks.md``. Each round runs, one submission at a time and side by side:
 
-* raw loop: a plain loop of the transport's own submission (``sbatch --parsable --hold`` in one bash loop for the
-  CLI; ``sbatch`` over one kept SSH connection; keep-alive ``POST /slurm/<v>/job/submit`` for slurmrestd).
+* raw loop: a plain loop of the transport's own submission, as the same tenant account the adapter submits as
+  (``sbatch --parsable --hold`` in one bash loop that runs as the account for the CLI; ``sbatch`` over one kept SSH
+  login of the account, with its own key; keep-alive ``POST /slurm/<v>/job/submit`` with SlurmUser's token and
+  ``X-SLURM-USER-NAME: <account>`` for slurmrestd), into the account's own job directory.
 * the adapter as the submit activity's first attempt calls it when it runs on time (``alone_until`` ahead: no
   retry can have started, so ``sbatch`` and nothing else).
 * the adapter with a check for duplicates after each submission (one controller query): what every first attempt
@@ -34,6 +41,7 @@ import asyncio
 import contextlib
 import json
 import os
+import pwd
 import signal
 import statistics
 import subprocess
@@ -67,7 +75,12 @@ def load_env() -> dict[str, Any]:
     return json.loads(env_file.read_text())  # type: ignore[no-any-return]
 
 
-def make_adapter(env: dict[str, Any], transport: str) -> SlurmAdapter:
+def tenant_account(env: dict[str, Any]) -> str:
+    """The account the benchmark's tenant submits as (the adapter) and the raw loops run as."""
+    return str(env["tenant_accounts"][0])
+
+
+def make_adapter(env: dict[str, Any], transport: str, switch_user: str | None = None) -> SlurmAdapter:
     slurm: dict[str, Any] = {
         "cluster_name": env["cluster"],
         "controller_host": env["controller_host"],
@@ -89,9 +102,11 @@ def make_adapter(env: dict[str, Any], transport: str) -> SlurmAdapter:
         )
     if transport == "rest":
         slurm.update(auth_method="jwt", rest_url=env["slurmrestd_url"], rest_user=env["rest_user"])
-    # The adapter submits as the tenant's own account, as in production (setpriv, its SSH login, or
-    # slurmrestd's user header with SlurmUser's token); the raw loops below submit as the provider's account.
-    tenants = {"accounts": {TENANT: env["tenant_accounts"][0]}}
+    if switch_user is not None:
+        slurm["switch_user"] = switch_user
+    # The adapter submits as the tenant's own account, as in production (runuser/setpriv, its SSH login, or
+    # slurmrestd's user header with SlurmUser's token); the raw loops below submit as that same account.
+    tenants = {"accounts": {TENANT: tenant_account(env)}}
     config = load_config(
         data={"hpc": {"scheduler_type": "slurm", "slurm": slurm, "tenants": tenants}}, env={}
     )
@@ -130,15 +145,22 @@ def request(run: str, n: int, *, alone: bool = False) -> SubmitRequest:
 # ---- raw limits ------------------------------------------------------------------------------------------------
 
 
+def tenant_dir(env: dict[str, Any]) -> str:
+    return f"{env['jobs_dir']}/{tenant_account(env)}"
+
+
 def raw_sbatch_loop(env: dict[str, Any], run: str, count: int) -> tuple[float, list[str]]:
-    """A plain bash loop of ``sbatch --parsable --hold``: the CLI's raw submission rate."""
+    """A plain bash loop of ``sbatch --parsable --hold`` run as the tenant's account: the CLI's raw rate."""
     script = (
         f"for i in $(seq {count}); do sbatch --parsable --hold -J vehpc-bench-{run}-raw-$i "
-        f"-A {env['account']} -o /dev/null --wrap true; done"
+        f"-A {env['account']} -D {tenant_dir(env)} -o /dev/null --wrap true; done"
     )
+    entry = pwd.getpwnam(tenant_account(env))
+    as_account = ["setpriv", f"--reuid={entry.pw_uid}", f"--regid={entry.pw_gid}", "--init-groups", "--"]
     started = time.perf_counter()
     out = subprocess.run(
-        ["bash", "-c", script],
+        [*as_account, "bash", "-c", script],
+        cwd="/",
         env={**os.environ, "SLURM_CONF": env["slurm_conf"]},
         capture_output=True,
         text=True,
@@ -149,11 +171,13 @@ def raw_sbatch_loop(env: dict[str, Any], run: str, count: int) -> tuple[float, l
 
 
 async def raw_ssh_loop(env: dict[str, Any], run: str, count: int) -> tuple[float, list[str]]:
+    """``sbatch`` over one kept SSH login of the tenant's account, with its own key."""
+    account = tenant_account(env)
     runner = SSHRunner(
         host=env["ssh_host"],
         port=env["ssh_port"],
-        user=env["ssh_user"],
-        key_path=Path(env["ssh_key_file"]),
+        user=account,
+        key_path=Path(env["tenant_key_dir"]) / account,
         known_hosts=Path(env["ssh_known_hosts"]),
         timeout=60,
     )
@@ -162,7 +186,19 @@ async def raw_ssh_loop(env: dict[str, Any], run: str, count: int) -> tuple[float
     started = time.perf_counter()
     for i in range(count):
         result = await runner.run(
-            ["sbatch", "--parsable", "--hold", "-J", f"vehpc-bench-{run}-raw-{i}", "-o", "/dev/null"],
+            [
+                "sbatch",
+                "--parsable",
+                "--hold",
+                "-J",
+                f"vehpc-bench-{run}-raw-{i}",
+                "-A",
+                env["account"],
+                "-D",
+                tenant_dir(env),
+                "-o",
+                "/dev/null",
+            ],
             stdin="#!/bin/bash\ntrue\n",
             timeout=60,
         )
@@ -173,8 +209,9 @@ async def raw_ssh_loop(env: dict[str, Any], run: str, count: int) -> tuple[float
 
 
 async def raw_rest_loop(env: dict[str, Any], run: str, count: int) -> tuple[float, list[str]]:
-    token = Path(env["jwt_token_file"]).read_text().strip()
-    headers = {"X-SLURM-USER-NAME": env["rest_user"], "X-SLURM-USER-TOKEN": token}
+    """Keep-alive POSTs as the tenant's account (SlurmUser's token, ``X-SLURM-USER-NAME``), as the adapter sends."""
+    token = Path(env["submit_jwt_token_file"]).read_text().strip()
+    headers = {"X-SLURM-USER-NAME": tenant_account(env), "X-SLURM-USER-TOKEN": token}
     url = f"{env['slurmrestd_url']}/slurm/{env['slurmrestd_api_version']}/job/submit"
     ids = []
     async with httpx.AsyncClient(headers=headers, timeout=60) as client:
@@ -185,7 +222,8 @@ async def raw_rest_loop(env: dict[str, Any], run: str, count: int) -> tuple[floa
                 name=f"vehpc-bench-{run}-raw-{i}",
                 cluster_id="bench",
                 default_partition=env["partition"],
-                work_dir=env["jobs_dir"],
+                account=env["account"],
+                work_dir=tenant_dir(env),
                 hold=True,
             )
             body = render_rest_job(plan)
@@ -360,7 +398,7 @@ async def one_at_a_time(
     env: dict[str, Any], transport: str, run: str, args: argparse.Namespace, psij: Psij | None
 ) -> dict[str, Any]:
     """Alternating rounds of the raw loop, the adapter (first attempt on time, and with the check), PSI/J."""
-    adapter = make_adapter(env, transport)
+    adapter = make_adapter(env, transport, args.switch_user)
     rates: dict[str, list[float]] = {"raw": [], "first_attempt": [], "checked": [], "psij": []}
     n = 0
     try:
@@ -392,6 +430,9 @@ async def one_at_a_time(
     medians = {k: statistics.median(v) for k, v in rates.items() if v}
     return {
         "transport": transport,
+        "account": tenant_account(env),
+        "switch_user": adapter.config.switch_user if transport == "cli" else None,
+        "load_average": [round(x, 2) for x in os.getloadavg()],
         "per_s": {k: [round(x, 1) for x in v] for k, v in rates.items() if v},
         "median_per_s": {k: round(v, 1) for k, v in medians.items()},
         "ratio_to_raw": {k: round(v / medians["raw"], 2) for k, v in medians.items() if k != "raw"},
@@ -399,25 +440,35 @@ async def one_at_a_time(
     }
 
 
+def _cell(result: dict[str, Any], key: str) -> str:
+    """``median [min-max] (ratio to the raw loop)`` of one submitter's rounds."""
+    median, rounds = result["median_per_s"], result["per_s"]
+    if key not in median:
+        return "-"
+    spread = f"{median[key]:.0f} [{min(rounds[key]):.0f}-{max(rounds[key]):.0f}]"
+    return spread if key == "raw" else f"{spread} ({result['ratio_to_raw'][key]:.2f})"
+
+
 def print_table(results: list[dict[str, Any]]) -> None:
-    print("\none submission at a time, jobs/s (median of rounds; ratio to the transport's raw loop)")
+    account = results[0]["account"] if results else "?"
     print(
-        f"{'transport':9} {'raw loop':>9} {'first attempt':>19} {'checked (before)':>19} {'PSI/J (local)':>19}"
+        f"\none submission at a time as {account}, jobs/s (median of rounds; ratio to the transport's raw loop "
+        "as the same account)"
+    )
+    print("[min-max of the rounds]")
+    print(
+        f"{'transport':9} {'raw loop':>19} {'first attempt':>26} {'checked (before)':>26} {'PSI/J (local)':>26}"
     )
     for result in results:
-        median, ratio = result["median_per_s"], result["ratio_to_raw"]
-        cells = [
-            f"{median[k]:7.1f} ({ratio[k]:.2f})" if k in median else "-"
-            for k in ("first_attempt", "checked", "psij")
-        ]
-        print(f"{result['transport']:9} {median['raw']:9.1f} {cells[0]:>19} {cells[1]:>19} {cells[2]:>19}")
+        cells = [_cell(result, k) for k in ("raw", "first_attempt", "checked", "psij")]
+        print(f"{result['transport']:9} {cells[0]:>19} {cells[1]:>26} {cells[2]:>26} {cells[3]:>26}")
 
 
 async def concurrent_and_batching(
     env: dict[str, Any], transport: str, run: str, args: argparse.Namespace
 ) -> dict[str, Any]:
     """Submits in flight against the raw loop, then the queries per poll of ``--jobs`` watchers."""
-    adapter = make_adapter(env, transport)
+    adapter = make_adapter(env, transport, args.switch_user)
     report: dict[str, Any] = {}
     ids: list[str] = []
     n = 100_000
@@ -472,6 +523,12 @@ async def main() -> None:
     )
     parser.add_argument("--submit-rounds", type=int, default=3, help="alternating rounds")
     parser.add_argument("--no-psij", action="store_true", help="leave PSI/J out even if installed")
+    parser.add_argument(
+        "--switch-user",
+        choices=("runuser", "setpriv", "sudo"),
+        default=None,
+        help="cli: how the adapter runs sbatch as the tenant's account (default: hpc.slurm.switch_user's default)",
+    )
     parser.add_argument(
         "--concurrent", action="store_true", help="also submits in flight and the batching part"
     )
