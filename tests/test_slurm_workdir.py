@@ -3,7 +3,7 @@
 A tenant that could add or replace an entry of ``work_dir`` could link another tenant's directory to one it
 reads and collect that tenant's outputs and session tokens. ``work_dir`` belongs to the provider (no tenant may
 write it) and ``<work_dir>/<account>`` must be the account's own directory, mode 0700, not a link: checked before
-every submission, never from a cache. Here a link left in ``work_dir`` under Bob's account name (as a tenant could
+every submission (over a tenant's SSH login, against the provider's last check in ``sbatch``'s own command). Here a link left in ``work_dir`` under Bob's account name (as a tenant could
 plant it while ``work_dir`` was writable, the dev cluster's old layout) points at a directory Alice reads.
 """
 
@@ -222,3 +222,93 @@ async def test_the_refusal_is_on_chain_and_audited_and_the_other_tenants_job_com
     assert "symbolic link" in events[-1]["error_msg"]
     alerts = pipe.audit_events("security_violation", bobs)
     assert alerts and alerts[-1]["details"]["code"] == "work_dir_unsafe" and alerts[-1]["severity"] == 4
+
+
+class ProviderCommands:
+    """The commands the provider's own SSH login runs (a wrapper of its runner: every command still runs)."""
+
+    def __init__(self, adapter: SlurmAdapter) -> None:
+        self.seen: list[str] = []
+        runner = adapter.backend.executors.own.runner  # type: ignore[attr-defined]
+        real = runner.run
+
+        async def run(argv: list[str], **kwargs: Any) -> Any:
+            self.seen.append(argv[0])
+            return await real(argv, **kwargs)
+
+        runner.run = run
+
+    def count(self, command: str) -> int:
+        return self.seen.count(command)
+
+
+def work_dir_of(env: dict[str, Any], job_id: str) -> str:
+    return sc.slurm_command(env, ["squeue", "-h", "-j", job_id, "-O", "WorkDir:500"]).strip()
+
+
+async def test_over_ssh_the_check_rides_in_sbatchs_round_trip_and_still_refuses_a_swapped_directory(
+    env: dict[str, Any],
+) -> None:
+    """Over a tenant's SSH login the provider checks the directory once with its own ``stat``; later submissions
+    check it in the command that runs ``sbatch`` (no provider round trip), and anything not as checked goes back
+    to the provider's check: a swapped directory is refused at the very next job."""
+    alice = sc.account_of(env, sc.ALICE)
+    parent = provider_dir()
+    alices = own_dir(parent, alice)
+    spy = spy_dir(sc.account_of(env, sc.BOB))
+    adapter = sc.adapter(env, "ssh", work_dir=str(parent), hold=True)
+    provider = ProviderCommands(adapter)
+    try:
+        jobs = [
+            (await adapter.submit(request(wid(f"guard-{i}"), "true\n", sc.ALICE))).scheduler_job_id
+            for i in range(3)
+        ]
+        assert provider.count("stat") == 1, "one provider check, then the check rides with sbatch"
+        assert {work_dir_of(env, job) for job in jobs} == {str(alices)}
+
+        # Swapped for a link to a directory another tenant reads: refused at the next job, nothing submitted.
+        alices.rename(parent.parent / f"alice-moved-{uuid.uuid4().hex[:6]}")
+        plant_link(parent / alice, spy, sc.account_of(env, sc.BOB))
+        wf = wid("guard-swapped")
+        error = await refused(adapter, wf, sc.ALICE)
+        assert f"{parent}/{alice} is a symbolic link" in str(error)
+        assert sc.controller_jobs_of(env, wf) == [] and list(spy.iterdir()) == []
+        assert provider.count("stat") == 2
+
+        # Made again by the operator, but open to others: refused the same way.
+        (parent / alice).unlink()
+        own_dir(parent, alice, mode=0o750)
+        error = await refused(adapter, wid("guard-open"), sc.ALICE)
+        assert "has mode 750, not 0700" in str(error)
+
+        # Put right, and a harmless change above it (work_dir 0755 -> 0711): checked again, submitted once.
+        (parent / alice).chmod(0o700)
+        parent.chmod(0o711)
+        wf = wid("guard-harmless")
+        job = (await adapter.submit(request(wf, "true\n", sc.ALICE))).scheduler_job_id
+        assert sc.controller_jobs_of(env, wf) == [job] and work_dir_of(env, job) == str(parent / alice)
+        checks = provider.count("stat")
+        await adapter.submit(request(wid("guard-after"), "true\n", sc.ALICE))
+        assert provider.count("stat") == checks, "the new state is what the next submission compares with"
+    finally:
+        await adapter.close()
+
+
+async def test_each_tenant_login_is_kept_and_opened_again_after_it_drops(env: dict[str, Any]) -> None:
+    adapter = sc.adapter(env, "ssh", hold=True)
+    try:
+        for i in range(3):
+            await adapter.submit(request(wid(f"login-alice-{i}"), "true\n", sc.ALICE))
+        await adapter.submit(request(wid("login-bob"), "true\n", sc.BOB))
+        executors = adapter.backend.executors  # type: ignore[attr-defined]
+        alices = executors.get(sc.account_of(env, sc.ALICE)).runner
+        bobs = executors.get(sc.account_of(env, sc.BOB)).runner
+        assert (alices.connects, bobs.connects) == (1, 1), "one login per account, kept across submissions"
+
+        alices._client.get_transport().close()  # the connection drops (sshd restarted, idle timeout)
+        wf = wid("login-alice-after-drop")
+        job = (await adapter.submit(request(wf, "true\n", sc.ALICE))).scheduler_job_id
+        assert sc.controller_jobs_of(env, wf) == [job]
+        assert (alices.connects, bobs.connects) == (2, 1)
+    finally:
+        await adapter.close()

@@ -5,13 +5,17 @@ from __future__ import annotations
 
 import os
 import pwd
+import uuid
 from pathlib import Path
 
 import pytest
 
 from activities.schedulers.batch.workdir import (
+    CHANGED,
+    CHANGED_EXIT,
     TenantDirs,
     components,
+    guarded,
     local_lstat,
     make_private_dir,
     remote_lstat,
@@ -128,3 +132,40 @@ async def test_a_root_worker_hands_over_a_missing_or_unfinished_directory_withou
     with pytest.raises(SubmissionRejected, match="is a symbolic link"):
         await dirs.ensure(str(parent), TENANT_POOL[2])
     assert target.stat().st_uid == pwd.getpwnam(ALICE).pw_uid and target.stat().st_mode & 0o777 == 0o777
+
+
+async def test_a_guarded_command_runs_only_while_the_directory_is_as_the_provider_checked_it() -> None:
+    """What the provider's check found (its own ``stat``) is compared in the command itself, as run by an account's
+    login (here a local ``sh`` as that account): the command runs then, and not after any change."""
+    parent = provider_dir()
+    alices = give(parent / ALICE, ALICE)
+    dirs = TenantDirs(remote_lstat(stat_command), trusted={"root"})
+    assert await dirs.ensure(str(parent), ALICE) == str(alices)
+    verified = dirs.verified(str(alices))
+    assert verified is not None and verified.path == str(alices)
+    entry = pwd.getpwnam(ALICE)
+    as_alice = ["setpriv", f"--reuid={entry.pw_uid}", f"--regid={entry.pw_gid}", "--init-groups", "--"]
+    marker = f"it's $(ran) `here` \\ {uuid.uuid4().hex}"
+
+    async def run() -> tuple[int, str, str]:
+        result = await LocalRunner().run([*as_alice, *guarded(verified, ["cat"])], stdin=marker, timeout=10)
+        return result.exit_code, result.stdout, result.stderr
+
+    assert await run() == (0, marker, ""), "as checked: the command runs, its stdin and output untouched"
+    for change in (
+        lambda: alices.chmod(0o755),  # the account opens its own directory
+        lambda: parent.chmod(0o775),  # work_dir made writable by a group
+        lambda: os.chown(alices, 0, 0),  # another owner
+        lambda: (alices.rename(parent / "moved"), (parent / ALICE).symlink_to(parent / "moved")),  # a link
+    ):
+        change()
+        code, out, err = await run()
+        assert (code, out) == (CHANGED_EXIT, "") and CHANGED in err, "changed: nothing ran"
+        for path in (parent / ALICE, parent / "moved"):  # put back as checked
+            if path.is_symlink():
+                path.unlink()
+        if (parent / "moved").exists():
+            (parent / "moved").rename(alices)
+        parent.chmod(0o755)
+        give(alices, ALICE)
+        assert await run() == (0, marker, "")

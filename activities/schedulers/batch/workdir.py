@@ -11,11 +11,20 @@ as the job's account and follows links. So:
   unless sticky (like ``/tmp``: no other account can then replace what the provider owns in it).
 * ``<work_dir>/<account>`` is a directory, not a link, owned by the account, mode 0700.
 
-Nothing is cached: every submission checks again (one ``lstat`` per path component on the worker's host, one
-``stat`` command as the provider's account over SSH), so a directory changed after an earlier check is caught
-at the next job. A failed check refuses that one job (``SubmissionRejected`` with code ``work_dir_unsafe``,
-which the submit activity audits as the job's submission failure) before anything reaches the scheduler, and
-touches no file: other tenants' jobs go on.
+Every submission checks again, so a directory changed after an earlier check is caught at the next job: one
+``lstat`` per path component on the worker's host, or one ``stat`` command as the provider's account over SSH.
+Over SSH with per-tenant logins the check of later jobs rides in ``sbatch``'s own round trip instead
+(``guarded``): the provider's own check (``TenantDirs.ensure``) remembers what it found safe (``Verified``: kind,
+owner and mode of the tenant's directory and of every directory above it, one entry per tenant account), and the
+tenant's submission runs ``sbatch`` only if ``stat`` finds exactly that, right before it, in the same command;
+anything else and nothing is submitted: the provider checks again with its own ``stat`` and refuses, or submits
+after its check as before. That comparison runs in the tenant's login session, whose startup files the tenant
+can write, so the tenant could make it lie, but only about its own directory: no one but root, the provider and
+(the mode of its own directory) the account itself can change what is compared, so a lie exposes nothing but that
+tenant's own files, and no other account can reach that session to pass off a directory it swapped.
+A failed check refuses that one job (``SubmissionRejected`` with code ``work_dir_unsafe``, which the submit
+activity audits as the job's submission failure) before anything reaches the scheduler, and touches no file:
+other tenants' jobs go on.
 
 Who makes a missing tenant directory: a worker that runs as root on the host of ``work_dir`` (the ``cli``
 transport) makes it itself, in the checked parent, through a directory descriptor opened with ``O_NOFOLLOW``
@@ -32,6 +41,7 @@ import contextlib
 import os
 import pwd
 import re
+import shlex
 import stat
 from collections.abc import Awaitable, Callable, Collection, Sequence
 from dataclasses import dataclass
@@ -44,6 +54,10 @@ UNSAFE = "work_dir_unsafe"
 DIRECTORY, LINK, MISSING, OTHER = "directory", "symbolic link", "missing", "not a directory"
 _NAME = re.compile(r"[A-Za-z0-9._+@-]{1,255}")
 _STAT_FORMAT = "%F|%U|%a|%n"
+_GUARD_FORMAT = "%F|%U|%a|%n;"  # one line (no command argument may hold a newline)
+CHANGED_EXIT = 97
+"""The exit code (with ``CHANGED`` on standard error) of a ``guarded`` command that did not run."""
+CHANGED = "vehpc: the job directory is not as the provider checked it"
 
 
 @dataclass(frozen=True)
@@ -56,6 +70,35 @@ class Entry:
 
 
 Lstat = Callable[[Sequence[str]], Awaitable[dict[str, Entry]]]
+
+
+@dataclass(frozen=True)
+class Verified:
+    """A tenant's job directory and every directory above it (``entries``: path and entry, ``/`` first, the
+    tenant's directory last) as the provider's own check found them safe."""
+
+    entries: tuple[tuple[str, Entry], ...]
+
+    @property
+    def path(self) -> str:
+        return self.entries[-1][0]
+
+    def stat_answer(self) -> str:
+        """What ``stat --printf`` of ``guarded`` prints while nothing changed since the check."""
+        return "".join(f"{e.kind}|{e.owner}|{e.mode:o}|{path};" for path, e in self.entries)
+
+
+def guarded(verified: Verified, argv: Sequence[str]) -> list[str]:
+    """``argv`` run only if the directories are still exactly as ``verified`` (kind, owner, mode of each), checked
+    in the same command; else it exits ``CHANGED_EXIT`` saying ``CHANGED``, having run nothing. Only the
+    provider's own argv and checked paths (plain names) are placed in the script; the expected answer and the
+    paths travel as arguments."""
+    script = (
+        f'if [ "$(stat --printf {shlex.quote(_GUARD_FORMAT)} -- "$@" 2>/dev/null)" = "$0" ]; '
+        f"then exec {shlex.join(argv)}; fi; "
+        f"echo {shlex.quote(CHANGED)} >&2; exit {CHANGED_EXIT}"
+    )
+    return ["sh", "-c", script, verified.stat_answer(), *(path for path, _ in verified.entries)]
 
 
 def unsafe(message: str) -> SubmissionRejected:
@@ -134,13 +177,24 @@ class TenantDirs:
         self._lstat = lstat
         self.trusted = frozenset(trusted)
         self._make = make
+        # What the last passing check of each tenant directory found (one per account; replaced, never dropped).
+        self._verified: dict[str, Verified] = {}
+
+    @staticmethod
+    def path_of(work_dir: str, account: str) -> str:
+        """``<work_dir>/<account>`` (no I/O); ``SubmissionRejected`` when either is not a plain name."""
+        if not _NAME.fullmatch(account) or account in (".", ".."):
+            raise unsafe(f"{account[:80]!r} cannot name a directory")
+        return f"{components(work_dir)[-1].rstrip('/')}/{account}"
+
+    def verified(self, path: str) -> Verified | None:
+        """What the last passing check of ``path`` (a tenant directory ``ensure`` returned) found; no I/O."""
+        return self._verified.get(path)
 
     async def ensure(self, work_dir: str, account: str) -> str:
         """``<work_dir>/<account>``, once it is the account's own and 0700; else ``SubmissionRejected``."""
-        if not _NAME.fullmatch(account) or account in (".", ".."):
-            raise unsafe(f"{account[:80]!r} cannot name a directory")
+        path = self.path_of(work_dir, account)
         chain = components(work_dir)
-        path = f"{chain[-1].rstrip('/')}/{account}"
         entries = await self._lstat([*chain, path])
         problem = parent_problem(chain[-1], entries, self.trusted)
         if problem is None and self._make is not None and self._unfinished(entries[path]):
@@ -148,10 +202,11 @@ class TenantDirs:
                 await asyncio.to_thread(self._make, chain[-1], account)
             except (OSError, KeyError) as exc:
                 raise unsafe(f"cannot make {path} for {account}: {exc}") from None
-            entries = await self._lstat([path])
+            entries = {**entries, **await self._lstat([path])}
         problem = problem or tenant_problem(path, account, entries[path])
         if problem is not None:
             raise unsafe(f"refusing to submit as {account}: {problem}")
+        self._verified[path] = Verified(tuple((each, entries[each]) for each in [*chain, path]))
         return path
 
     def _unfinished(self, entry: Entry) -> bool:

@@ -346,7 +346,8 @@ class SlurmAdapter(BatchSchedulerAdapter):
             account = await self._account(request.job.tenant)
         work_dir = str(self.config.work_dir) if self.config.work_dir else None
         if work_dir is not None and self.tenants.isolated and request.job.working_directory is None:
-            # the tenant's own, 0700, checked now (never from a cache): no other tenant reads it or links it away
+            # the tenant's own, 0700, checked for this job (now, or in sbatch's own command over a tenant's
+            # login: CliBackend.tenant_dir): no other tenant reads it or links it away
             work_dir = await self.backend.tenant_dir(work_dir, account)
         plan = plan_submission(
             request,

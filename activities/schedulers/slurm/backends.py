@@ -24,16 +24,18 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import logging
 import re
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 from activities.schedulers.batch.base import AccountExecutors
-from activities.schedulers.batch.workdir import TenantDirs
+from activities.schedulers.batch.workdir import CHANGED, CHANGED_EXIT, TenantDirs, Verified, guarded
 from activities.schedulers.slurm import parsers as p
 from activities.schedulers.slurm.base import CommandExecutor, CommandResult
 from activities.schedulers.slurm.script import SubmitPlan, render_batch_script, render_rest_job
@@ -46,6 +48,8 @@ from virtengine_hpc.errors import (
     SubmissionRejected,
 )
 from virtengine_hpc.tenancy import TenantAccountError
+
+log = logging.getLogger(__name__)
 
 #: Error output that means "try again later": the controller or slurmdbd is down, slow or restarting.
 TRANSIENT_PATTERNS = tuple(
@@ -225,9 +229,10 @@ class CliBackend(SlurmBackend):
         ok: Any = None,
         rejected: type[SchedulerError] = SchedulerError,
         account: str | None = None,
+        kind: str | None = None,
     ) -> CommandResult:
         executor = self.executors.get(account)
-        self.calls[argv[0]] += 1
+        self.calls[kind or argv[0]] += 1
         return await executor.run(argv, what=what, stdin=stdin, ok=ok, rejected=rejected)
 
     async def cluster_info(self) -> ClusterInfo:
@@ -255,13 +260,15 @@ class CliBackend(SlurmBackend):
         return p.parse_admin_levels(result.stdout)
 
     async def submit(self, plan: SubmitPlan, account: str | None = None) -> str:
-        result = await self._run(
-            ["sbatch", "--parsable"],
-            what="sbatch" if account is None else f"sbatch as {account}",
-            stdin=render_batch_script(plan),
-            rejected=SubmissionRejected,
-            account=account,
-        )
+        verified = self._deferred_check(plan, account)
+        try:
+            # the directory's check rides in sbatch's own round trip, or was done just before (tenant_dir)
+            result = await self._sbatch(plan, account, verified)
+        except _NotAsChecked:  # nothing submitted: the provider's own check, then sbatch, as the first time
+            assert verified is not None and account is not None
+            log.info("%s is not as last checked: checking it again before submitting", verified.path)
+            await self.executors.tenant_dir(str(Path(verified.path).parent), account)
+            result = await self._sbatch(plan, account, None)
         try:
             job_id = p.parse_job_id(result.stdout)
         except p.ParseError as exc:
@@ -272,6 +279,32 @@ class CliBackend(SlurmBackend):
         if account is not None and account != self.user and self.tenant_shell:
             await self._check_answer(job_id, account, plan.job_name)
         return job_id
+
+    def _deferred_check(self, plan: SubmitPlan, account: str | None) -> Verified | None:
+        """What the provider's last check found of the job's directory, when ``tenant_dir`` left the check of
+        this submission to ``sbatch``'s own round trip (a tenant's login over SSH)."""
+        if not self.tenant_shell or account is None or account == self.user or plan.workdir is None:
+            return None
+        return self.executors.dirs.verified(plan.workdir)
+
+    async def _sbatch(
+        self, plan: SubmitPlan, account: str | None, verified: Verified | None
+    ) -> CommandResult:
+        """``sbatch --parsable`` of the plan as ``account``, guarded by ``verified`` if given (``_NotAsChecked``:
+        the directory is not as verified, nothing was submitted)."""
+        argv = ["sbatch", "--parsable"]
+        result = await self._run(
+            guarded(verified, argv) if verified is not None else argv,
+            what="sbatch" if account is None else f"sbatch as {account}",
+            stdin=render_batch_script(plan),
+            rejected=SubmissionRejected,
+            account=account,
+            ok=lambda r: r.exit_code == 0 or (verified is not None and _changed(r)),
+            kind=argv[0],
+        )
+        if result.exit_code != 0:
+            raise _NotAsChecked
+        return result
 
     async def _check_answer(self, job_id: str, account: str, name: str) -> None:
         """The job ``sbatch`` named through the tenant's shell is the one just submitted: the controller (asked
@@ -306,6 +339,12 @@ class CliBackend(SlurmBackend):
         return p.parse_squeue(result.stdout, fields, sep=sep) if result.exit_code == 0 else []
 
     async def tenant_dir(self, work_dir: str, account: str) -> str:
+        """Checked now; or, over a tenant's login (SSH) once the provider's own check has passed, checked again
+        by ``submit`` in ``sbatch``'s own round trip against what that check found (``workdir.guarded``)."""
+        if self.tenant_shell and account != self.user:
+            path = self.executors.dirs.path_of(work_dir, account)
+            if self.executors.dirs.verified(path) is not None:
+                return path
         return await self.executors.tenant_dir(work_dir, account)
 
     async def queue_by_names(self, names: Sequence[str]) -> list[p.QueueJob]:
@@ -453,6 +492,15 @@ class CliBackend(SlurmBackend):
 
     async def close(self) -> None:
         await self.executors.close()
+
+
+class _NotAsChecked(Exception):
+    """A ``guarded`` submission found the job directory changed since the provider's check and ran nothing."""
+
+
+def _changed(result: CommandResult) -> bool:
+    """A ``guarded`` command that ran nothing: the directory is not as the provider checked it."""
+    return result.exit_code == CHANGED_EXIT and CHANGED in result.stderr
 
 
 # ---- slurmrestd ----------------------------------------------------------------------------------------------
