@@ -367,6 +367,34 @@ async def test_pending_job_cancelled_and_retried_submit_adopts(
         await held.close()
 
 
+async def test_ten_thousand_watched_jobs_are_one_status_query(
+    env: dict[str, Any], slurm: SlurmAdapter
+) -> None:
+    """A cluster monitor asks about every watched job at once: at 10,000 jobs that is still one query of the
+    controller (and, on the command line, one of accounting for the ids it does not hold), not one per 5,000."""
+    held = sc.adapter(env, transport(slurm), hold=True)
+    try:
+        wf = wid("ten-thousand")
+        job = sc.spec(wf, "echo never\n")
+        real = (
+            await held.submit(SubmitRequest(workflow_id=wf, job=job, body="echo never\n"))
+        ).scheduler_job_id
+        # Ids the controller has never handed out (its MaxJobId is 67,043,328 by default): found nowhere.
+        made_up = [str(60_000_000 + n) for n in range(9_999)]
+        before = held.calls
+        statuses = await held.status_batch([real, *made_up])
+        made = {kind: n - before.get(kind, 0) for kind, n in held.calls.items() if n != before.get(kind, 0)}
+        assert statuses[real].state == JobState.QUEUED
+        assert not any(statuses[i].found for i in made_up) and len(statuses) == 10_000
+        if transport(slurm) == "rest":  # slurmrestd 22.05 reads accounting one job at a time
+            assert made.get("jobs") == 1, made
+        else:
+            assert made == {"squeue": 1, "sacct": 1}, made
+        await held.cancel(real)
+    finally:
+        await held.close()
+
+
 async def test_job_that_can_never_start_fails_fast_and_is_cancelled(
     env: dict[str, Any], slurm: SlurmAdapter
 ) -> None:

@@ -650,6 +650,21 @@ def chunked(items: Iterable[T], size: int) -> Iterator[list[T]]:
         yield batch
 
 
+def chunked_by_length(ids: Iterable[str], budget: int) -> Iterator[list[str]]:
+    """``ids`` in lists whose comma-joined length stays within ``budget`` characters: one scheduler query per
+    list, so the number of queries follows the length of the command line, never a fixed count of ids."""
+    batch: list[str] = []
+    used = 0
+    for job_id in ids:
+        if batch and used + 1 + len(job_id) > budget:
+            yield batch
+            batch, used = [], 0
+        used += len(job_id) + (1 if batch else 0)
+        batch.append(job_id)
+    if batch:
+        yield batch
+
+
 class AccountExecutors:
     """The provider's own command executor and, built on first use, one per tenant account.
 

@@ -61,7 +61,7 @@ from activities.schedulers.slurm.base import (
     Candidate,
     CommandExecutor,
     Owner,
-    chunked,
+    chunked_by_length,
     retrying,
 )
 from activities.schedulers.slurm.script import plan_submission
@@ -82,8 +82,10 @@ from virtengine_hpc.states import JobState
 
 log = logging.getLogger(__name__)
 
-#: Ids per ``squeue -j`` / ``sacct -j`` call (command lines stay far below ARG_MAX).
-MAX_IDS_PER_QUERY = 5000
+#: Characters of comma-joined ids per ``squeue -j`` / ``sacct -j`` call. Linux takes at most 128 KiB in one
+#: argument (over SSH the whole command is one argument of the remote shell), so 100,000 leaves room for the rest
+#: of the command: 10,000 watched jobs with ids up to 9 digits are one query, where a fixed 5,000 ids made two.
+MAX_ID_CHARS_PER_QUERY = 100_000
 _RUNNING_LIKE = (JobState.RUNNING, JobState.SUSPENDED)
 _USAGE_CACHE = 20_000
 
@@ -449,7 +451,7 @@ class SlurmAdapter(BatchSchedulerAdapter):
             return out
         await self._ready()
         never_start: list[str] = []
-        for chunk in chunked(valid, MAX_IDS_PER_QUERY):
+        for chunk in chunked_by_length(valid, MAX_ID_CHARS_PER_QUERY):
             queue = {job.job_id: job for job in await self.backend.queue(chunk)}
             need = [i for i in chunk if i not in queue or map_state(queue[i].state).state.final]
             accounting: dict[str, p.AcctJob] = {}

@@ -11,6 +11,7 @@ from activities.schedulers.batch.base import (
     CommandRunner,
     Owner,
     chunked,
+    chunked_by_length,
     retrying,
 )
 
@@ -24,5 +25,6 @@ __all__ = [
     "CommandRunner",
     "Owner",
     "chunked",
+    "chunked_by_length",
     "retrying",
 ]
