@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
 import time
 from collections import Counter
 from collections.abc import Mapping
@@ -48,6 +49,18 @@ SIGNALS_IN_FLIGHT = 64
 """Signals to job workflows sent at once when many jobs change in one round."""
 MAX_ENDED = 1000
 """Ended jobs a round hands back to be forgotten (the rest follow in the next rounds): bounds its result."""
+REGISTRATIONS_IN_FLIGHT = 8
+"""Registrations with one monitor that a worker process sends at once. A monitor is one workflow, which Temporal
+updates one request at a time: 10,000 jobs queued within minutes sent it thousands at once, most were refused as
+"Workflow is busy" or timed out, and each refusal failed the job's report activity, retried with its chain report."""
+BUSY_RETRIES = 6
+"""Tries of a registration that Temporal refuses as busy or that times out, before the caller's activity fails."""
+BUSY_BACKOFF_SECONDS = 0.5
+"""Wait before the second try, doubled for each one after (with jitter: ~16 s over all the tries)."""
+_BUSY = frozenset(
+    {RPCStatusCode.RESOURCE_EXHAUSTED, RPCStatusCode.DEADLINE_EXCEEDED, RPCStatusCode.CANCELLED}
+)
+_rooms: dict[tuple[asyncio.AbstractEventLoop, str], asyncio.Semaphore] = {}
 
 
 @dataclass
@@ -190,8 +203,34 @@ async def register(client: Client, registration: WatchRegistration) -> None:
     """Signal-with-start of the cluster's monitor: one workflow per cluster task queue, started by the first job.
 
     A job that ended only leaves the watch set: a monitor that is not running is not started for that, and a
-    monitor that cannot be told forgets the job anyway when its next signal to the ended workflow fails.
+    monitor that cannot be told forgets the job anyway when its next signal to the ended workflow fails. At most
+    ``REGISTRATIONS_IN_FLIGHT`` registrations with one monitor leave this process at once; one refused as busy, or
+    timed out, is sent again after a backoff (a registration is idempotent: the monitor keeps the latest).
     """
+    monitor_id = monitor_workflow_id(registration.monitor.task_queue)
+    room = _rooms.setdefault(
+        (asyncio.get_running_loop(), monitor_id), asyncio.Semaphore(REGISTRATIONS_IN_FLIGHT)
+    )
+    for attempt in range(BUSY_RETRIES):
+        try:
+            async with room:
+                await _register_once(client, registration)
+            return
+        except RPCError as exc:
+            if exc.status not in _BUSY or attempt + 1 == BUSY_RETRIES:
+                raise
+            delay = BUSY_BACKOFF_SECONDS * 2**attempt
+            log.info(
+                "monitor %s is busy (%s); registering %s again in %.1f s",
+                monitor_id,
+                exc,
+                registration.workflow_id,
+                delay,
+            )
+            await asyncio.sleep(delay * random.uniform(0.5, 1.5))
+
+
+async def _register_once(client: Client, registration: WatchRegistration) -> None:
     settings = registration.monitor
     if registration.entry.state.final:
         try:

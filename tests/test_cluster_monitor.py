@@ -14,12 +14,16 @@ import uuid
 from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, cast
 
 import pytest
 from temporalio import activity
 from temporalio.client import Client, WorkflowExecutionStatus
 from temporalio.contrib.pydantic import pydantic_data_converter
+from temporalio.service import RPCError, RPCStatusCode
 
+from activities import monitor as monitor_activities
+from activities.monitor import BUSY_RETRIES, REGISTRATIONS_IN_FLIGHT, register
 from activities.schedulers.base import NativeStatus
 from tests.conftest import make_config
 from tests.memory_adapter import MemoryAdapter, Script
@@ -32,6 +36,8 @@ from virtengine_hpc.messages import (
     JobWorkflowInput,
     MonitorInput,
     MonitorSettings,
+    WatchEntry,
+    WatchRegistration,
     monitor_workflow_id,
 )
 from virtengine_hpc.models import JobSpec, spec_digest
@@ -268,3 +274,82 @@ async def _wait_for_state(p: Pipeline, job_id: str, state: JobState, timeout: fl
             if job is not None and job.state == state:
                 return
             await asyncio.sleep(0.2)
+
+
+class _CrowdedServer:
+    """The real client, counting the monitor starts (signal-with-start) in flight at once; the first ``busy`` of
+    them answered as Temporal answers a workflow that many requests update at once."""
+
+    def __init__(self, client: Client, busy: int = 0) -> None:
+        self.client = client
+        self.busy = busy
+        self.in_flight = 0
+        self.most_in_flight = 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.client, name)
+
+    async def start_workflow(self, *args: Any, **kwargs: Any) -> Any:
+        if self.busy > 0:
+            self.busy -= 1
+            raise RPCError("Workflow is busy.", RPCStatusCode.RESOURCE_EXHAUSTED, b"")
+        self.in_flight += 1
+        self.most_in_flight = max(self.most_in_flight, self.in_flight)
+        try:
+            return await self.client.start_workflow(*args, **kwargs)
+        finally:
+            self.in_flight -= 1
+
+
+def _registration(task_queue: str, n: int) -> WatchRegistration:
+    return WatchRegistration(
+        workflow_id=f"job-{n}",
+        monitor=MonitorSettings(cluster_id="c1", task_queue=task_queue, poll_interval_seconds=2),
+        entry=WatchEntry(scheduler_job_id=str(1000 + n), state=JobState.QUEUED),
+    )
+
+
+async def _watch_signals(client: Client, task_queue: str) -> list[str]:
+    """The jobs the monitor of ``task_queue`` was told of, from its history (no worker runs it here)."""
+    told = []
+    async for event in client.get_workflow_handle(monitor_workflow_id(task_queue)).fetch_history_events():
+        if event.HasField("workflow_execution_signaled_event_attributes"):
+            payload = event.workflow_execution_signaled_event_attributes.input.payloads[0]
+            told.append(json.loads(payload.data)["workflow_id"])
+    return told
+
+
+async def test_a_crowd_of_jobs_registers_with_its_monitor_a_few_at_a_time(
+    client: Client, task_queue: str
+) -> None:
+    """10,000 jobs queued within minutes each registered with their cluster's one monitor workflow at once, and
+    Temporal, which updates one workflow one request at a time, refused most as "Workflow is busy" (each refusal
+    failed the job's report activity, retried with its chain report). 200 registrations sent together from one
+    process: at most ``REGISTRATIONS_IN_FLIGHT`` leave it at once, and the monitor hears every one."""
+    crowded = _CrowdedServer(client)
+    try:
+        await asyncio.gather(
+            *(register(cast(Client, crowded), _registration(task_queue, n)) for n in range(200))
+        )
+        assert crowded.most_in_flight <= REGISTRATIONS_IN_FLIGHT
+        assert sorted(await _watch_signals(client, task_queue)) == sorted(f"job-{n}" for n in range(200))
+    finally:
+        await client.get_workflow_handle(monitor_workflow_id(task_queue)).terminate("test over")
+
+
+async def test_a_registration_refused_as_busy_is_sent_again(
+    client: Client, task_queue: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A registration Temporal refuses as busy is sent again after a backoff, instead of failing the job's
+    report activity at once; one refused more often than ``BUSY_RETRIES`` still fails it (its retry goes on)."""
+    monkeypatch.setattr(monitor_activities, "BUSY_BACKOFF_SECONDS", 0.01)
+    try:
+        await register(cast(Client, _CrowdedServer(client, busy=2)), _registration(task_queue, 1))
+        assert await _watch_signals(client, task_queue) == ["job-1"]
+        with pytest.raises(RPCError, match="busy"):
+            await register(
+                cast(Client, _CrowdedServer(client, busy=BUSY_RETRIES)), _registration(task_queue, 2)
+            )
+        assert await _watch_signals(client, task_queue) == ["job-1"]
+    finally:
+        await client.get_workflow_handle(monitor_workflow_id(task_queue)).terminate("test over")
