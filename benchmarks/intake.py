@@ -101,13 +101,17 @@ class ListingPoller(ChainPoller):
         return stats
 
 
+WHOLE_LIST = 2**62
+"""The cancellation loops before read the chain's whole list of cancel requests at once."""
+
+
 class SerialCancels(ChainPoller):
     """The cancellation loop before: one request at a time, oldest first (the chain listed them by age)."""
 
     order: dict[str, int] = {}
 
     async def _forward_cancellations(self, stats: PollStats) -> None:
-        requested = await self.chain.cancel_requested_jobs(self.cluster_id, self.provider)
+        requested = await self.chain.cancel_requested_jobs(self.cluster_id, self.provider, limit=WHOLE_LIST)
         for job_id in sorted(requested, key=lambda job_id: self.order.get(job_id, 0)):
             if job_id not in self._signalled and await self._forward_cancel(job_id):
                 self._signalled.add(job_id)
@@ -119,7 +123,8 @@ class OneReading(ChainPoller):
     once, at the round's start, so a cancel requested during the round waited for the whole round."""
 
     async def _forward_cancellations(self, stats: PollStats) -> None:
-        await self._forward_batch(await self._cancels_to_forward(stats), stats)
+        requested = await self.chain.cancel_requested_jobs(self.cluster_id, self.provider, limit=WHOLE_LIST)
+        await self._forward_batch([job_id for job_id in requested if job_id not in self._signalled], stats)
 
 
 class CountingClient:

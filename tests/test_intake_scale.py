@@ -27,6 +27,7 @@ from tests.pipeline_harness import TENANT, Pipeline, running_pipeline
 from tests.poller_support import idle_queue, start_idle, terminate_all, visibility_shows
 from virtengine_hpc.messages import JOB_WORKFLOW_NAME, CancelRequest
 from virtengine_hpc.states import JobState
+from workers import poller as poller_module
 from workers.intake_lease import SETTLE_SECONDS, IntakeLease, lease_id
 from workers.metrics import WorkerMetrics
 from workers.poller import CANCEL_BATCH, ChainPoller, PollStats
@@ -442,11 +443,12 @@ async def test_a_standby_poller_leaves_the_pending_jobs_of_a_long_flood_to_the_b
 
 
 class _CountingReads:
-    """The ledger, counting ``get_job`` calls."""
+    """The ledger, counting ``get_job`` calls and the size of each answer of ``cancel_requested_jobs``."""
 
     def __init__(self, ledger: Any) -> None:
         self.ledger = ledger
         self.job_reads = 0
+        self.cancel_reads: list[int] = []
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.ledger, name)
@@ -454,6 +456,11 @@ class _CountingReads:
     async def get_job(self, job_id: str) -> Any:
         self.job_reads += 1
         return await self.ledger.get_job(job_id)
+
+    async def cancel_requested_jobs(self, *args: Any, **kwargs: Any) -> list[str]:
+        listed: list[str] = await self.ledger.cancel_requested_jobs(*args, **kwargs)
+        self.cancel_reads.append(len(listed))
+        return listed
 
 
 async def test_a_flood_of_cancels_does_not_delay_another_tenants_cancel(
@@ -543,6 +550,44 @@ async def test_a_cancel_requested_during_a_flood_of_cancels_is_not_left_behind_t
             assert signals.index(f"signal {victim}") <= CANCEL_BATCH, "next after the batch in flight"
             assert await cancel_signals(client, victim) == 1
             assert len(pipe.audit_events("job_cancelled")) == 300
+        finally:
+            await terminate_all(client, [victim, *flood])
+
+
+async def test_a_flood_of_cancels_is_read_a_page_at_a_time_and_every_cancel_is_forwarded(
+    client: Client, tmp_path: Path, key_path: Path, task_queue: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The loop read the chain's whole list of cancel requests at each reading, again every ``CANCEL_BATCH``
+    forwards: at 10,000 requests 10,000 ids per reading, some 150 readings a round. It now reads ``CANCEL_PAGE`` at a
+    time (40 here, against 300 cancels of pending jobs): no reading returns more, every cancel is still forwarded in
+    the round, another tenant's cancel requested in mid round still comes within the next batch, and the next round
+    forwards nothing again."""
+    monkeypatch.setattr(poller_module, "CANCEL_PAGE", 40)
+    config = pipeline_config(tmp_path, 5)
+    async with running_pipeline(client, config, key_path, MemoryAdapter(), task_queue) as pipe:
+        queue = idle_queue()
+        pipe.ledger.fund("mallory", 400)
+        flood = [pipe.submit(decide=False, max_price="1", tenant="mallory") for _ in range(300)]
+        for job_id in flood:
+            pipe.ledger.request_cancel(job_id)
+        victim = pipe.submit()
+        await start_idle(pipe, victim, queue)
+        await pipe.ledger.report_status(StatusReport(job_id=victim, state=JobState.RUNNING))
+        order = _CancelOnce(lambda: pipe.ledger.request_cancel(victim), after=100)
+        poller = make_poller(pipe, RecordingCalls(client, order), queue, holder="poller")
+        reads = _CountingReads(pipe.ledger)
+        poller.chain = cast(Any, reads)
+        try:
+            stats = await poller.forward_cancellations()
+            assert sorted(stats.cancelled) == sorted([*flood, victim])
+            assert max(reads.cancel_reads) == 40, reads.cancel_reads
+            meanwhile = order[100 : order.index(f"signal {victim}")]
+            assert sum(op.startswith("signal ") for op in meanwhile) <= CANCEL_BATCH, (
+                "next after the batch in flight"
+            )
+            assert len(pipe.audit_events("job_cancelled")) == 300
+            assert (await poller.forward_cancellations()).cancelled == [], "each forwarded once"
+            assert await cancel_signals(client, victim) == 1
         finally:
             await terminate_all(client, [victim, *flood])
 

@@ -293,15 +293,15 @@ async def test_a_job_is_listed_for_the_cluster_its_decision_selects(ledger: Loca
         1,
         1,
     )
-    assert await ledger.cancel_requested_jobs("c2", PROVIDER) == [moved]
-    assert await ledger.cancel_requested_jobs("c1", PROVIDER) == []
+    assert await ledger.cancel_requested_jobs("c2", PROVIDER, 100) == [moved]
+    assert await ledger.cancel_requested_jobs("c1", PROVIDER, 100) == []
     assert [j.job_id for j in await ledger.open_jobs("c2", PROVIDER, 10)] == [moved]
     ledger.set_cluster_state("c2", "offline")
     assert [j.job_id for j in await ledger.pending_jobs("c1", PROVIDER, 10)] == [moved, elsewhere]
     ledger.set_cluster_state("c2", "active")
 
     await ledger.report_status(StatusReport(job_id=moved, state=JobState.QUEUED, cluster_id="c1"))
-    assert await ledger.cancel_requested_jobs("c1", PROVIDER) == [moved], "it runs on c1 after all"
+    assert await ledger.cancel_requested_jobs("c1", PROVIDER, 100) == [moved], "it runs on c1 after all"
 
 
 async def test_open_jobs_are_the_non_final_ones_oldest_first_in_pages(ledger: LocalLedger) -> None:
@@ -337,10 +337,10 @@ async def test_tenant_cancel_is_listed_until_the_job_is_final(ledger: LocalLedge
     assert ledger.request_cancel(job_id, tenant=TENANT)
     with pytest.raises(ChainError, match="does not belong"):
         ledger.request_cancel(other, tenant="mallory")
-    assert await ledger.cancel_requested_jobs("c1", PROVIDER) == [job_id]
-    assert await ledger.cancel_requested_jobs("c2", PROVIDER) == []
+    assert await ledger.cancel_requested_jobs("c1", PROVIDER, 100) == [job_id]
+    assert await ledger.cancel_requested_jobs("c2", PROVIDER, 100) == []
     await ledger.report_status(StatusReport(job_id=job_id, state=JobState.CANCELLED))
-    assert await ledger.cancel_requested_jobs("c1", PROVIDER) == []
+    assert await ledger.cancel_requested_jobs("c1", PROVIDER, 100) == []
     assert not ledger.request_cancel(job_id)
 
 
@@ -352,12 +352,35 @@ async def test_cancel_requests_are_listed_in_turns_by_tenant(ledger: LocalLedger
     mine = [ledger.submit_job(spec()) for _ in range(2)]
     for job_id in flood + mine:
         ledger.request_cancel(job_id)
-    listed = await ledger.cancel_requested_jobs("c1", PROVIDER)
+    listed = await ledger.cancel_requested_jobs("c1", PROVIDER, 100)
     assert listed == [flood[0], mine[0], flood[1], mine[1], flood[2], flood[3]]
     # A job its workflow has taken (it may run, and be billed) comes before every job still waiting to be taken.
     await ledger.report_status(StatusReport(job_id=flood[3], state=JobState.RUNNING))
-    listed = await ledger.cancel_requested_jobs("c1", PROVIDER)
+    listed = await ledger.cancel_requested_jobs("c1", PROVIDER, 100)
     assert listed == [flood[3], flood[0], mine[0], flood[1], mine[1], flood[2]]
+
+
+async def test_cancel_requests_are_read_a_page_at_a_time_in_the_same_order(ledger: LocalLedger) -> None:
+    """However many requests are on chain, one reading returns at most ``limit``; reading on after the last one
+    read gives the rest, in the same order as one reading of the whole list. An ``after`` that is no longer listed
+    (its job ended) starts from the first again, so no request is skipped."""
+    ledger.fund("mallory", "100")
+    flood = [ledger.submit_job(spec(tenant="mallory", max_price="1")) for _ in range(5)]
+    mine = [ledger.submit_job(spec()) for _ in range(3)]
+    for job_id in flood + mine:
+        ledger.request_cancel(job_id)
+    whole = await ledger.cancel_requested_jobs("c1", PROVIDER, 100)
+    assert len(whole) == 8
+    pages: list[list[str]] = []
+    after: str | None = None
+    while page := await ledger.cancel_requested_jobs("c1", PROVIDER, 3, after=after):
+        pages.append(page)
+        after = page[-1]
+    assert [len(page) for page in pages] == [3, 3, 2]
+    assert [job_id for page in pages for job_id in page] == whole
+    await ledger.report_status(StatusReport(job_id=whole[2], state=JobState.CANCELLED))
+    assert await ledger.cancel_requested_jobs("c1", PROVIDER, 2, after=whole[2]) == [whole[0], whole[1]]
+    assert await ledger.cancel_requested_jobs("c1", PROVIDER, 0) == []
 
 
 # ---- the job state machine ---------------------------------------------------------------------------------

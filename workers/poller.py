@@ -83,6 +83,8 @@ PAGE_SIZE = 500
 CANCEL_BATCH = 64
 """Cancels forwarded between two readings of the chain's cancel requests within one round (at least
 ``cancel_concurrency``)."""
+CANCEL_PAGE = 500
+"""Cancel requests read from the chain at a time: one reading never returns more, however many are on chain."""
 FORGET_STARTS_AFTER = 600.0
 """Seconds after which a start this poller made counts as visible, even if visibility still does not list it."""
 _SERVICE_DOWN = frozenset(
@@ -500,30 +502,64 @@ class ChainPoller:
         """Forward the tenant cancellations on chain, ``cancel_concurrency`` at once, in the chain's order (taken
         jobs first, in turns by tenant, so that a flood of cancels does not delay another tenant's). The intake lease
         holder forwards them; a standby poller only those that have waited a whole lease term (the holder is gone),
-        so that a cancel is signalled once. The chain's list is read again every ``CANCEL_BATCH`` forwards: a cancel
+        so that a cancel is signalled once. The chain's list is read ``CANCEL_PAGE`` at a time, from where the
+        requests already handled in this round end; its first page again every ``CANCEL_BATCH`` forwards: a cancel
         requested while a flood of thousands is being forwarded takes its place in the order then, instead of
         waiting for the whole flood (each of its cancels a lookup, a start and an audit record)."""
         tried: set[str] = set()  # in this round: one that could not be forwarded is tried again next round
         batch_size = max(CANCEL_BATCH, self.cancel_concurrency)
+        scan = _CancelScan()
         while True:
-            todo = [job_id for job_id in await self._cancels_to_forward(stats) if job_id not in tried]
+            todo, more = await self._cancels_to_forward(stats, scan, tried, batch_size)
             batch = todo[:batch_size]
             tried.update(batch)
             await self._forward_batch(batch, stats)
-            if len(todo) <= batch_size:
+            if len(todo) <= batch_size and not more:
+                # The whole list was read in this round: what it no longer holds has ended.
+                self._signalled &= scan.seen
+                self._cancel_seen = {j: at for j, at in self._cancel_seen.items() if j in scan.seen}
                 return
 
-    async def _cancels_to_forward(self, stats: PollStats) -> list[str]:
-        """The chain's cancel requests this poller forwards now, in the chain's order."""
-        requested = await self.chain.cancel_requested_jobs(self.cluster_id, self.provider)
+    async def _cancels_to_forward(
+        self, stats: PollStats, scan: _CancelScan, tried: set[str], want: int
+    ) -> tuple[list[str], bool]:
+        """The chain's cancel requests this poller forwards now, in the chain's order: those of its first page
+        (new requests near the head of the order), then those after ``scan.after``, page by page until more than
+        ``want`` are found (True: the list goes on) or the list ends (False). ``scan.after`` moves over the requests
+        that need nothing more in this round, so that the next call reads on from there."""
         now = self.clock()
-        self._signalled &= set(requested)  # the others are final now
-        self._cancel_seen = {job_id: self._cancel_seen.get(job_id, now) for job_id in requested}
-        todo = [job_id for job_id in requested if job_id not in self._signalled]
-        if not await self.lease.refresh():
-            stats.standby = True
-            todo = [job_id for job_id in todo if now - self._cancel_seen[job_id] >= self.lease.term]
-        return todo
+        standby = not await self.lease.refresh()
+        stats.standby = stats.standby or standby
+
+        def forward(job_id: str) -> bool:
+            scan.seen.add(job_id)
+            first_seen = self._cancel_seen.setdefault(job_id, now)
+            if job_id in self._signalled or job_id in tried:
+                return False
+            return not standby or now - first_seen >= self.lease.term
+
+        head = await self.chain.cancel_requested_jobs(self.cluster_id, self.provider, limit=CANCEL_PAGE)
+        todo = [job_id for job_id in head if forward(job_id)]
+        page = head if scan.after is None else await self._cancel_page(scan.after)
+        found = False  # a request to forward among the pages read after scan.after
+        while True:
+            for job_id in page:
+                if forward(job_id):
+                    found = True
+                    if job_id not in todo:
+                        todo.append(job_id)
+                elif not found:
+                    scan.after = job_id
+            if len(page) < CANCEL_PAGE:
+                return todo, False
+            if len(todo) > want:
+                return todo, True
+            page = await self._cancel_page(page[-1])
+
+    async def _cancel_page(self, after: str) -> list[str]:
+        return await self.chain.cancel_requested_jobs(
+            self.cluster_id, self.provider, limit=CANCEL_PAGE, after=after
+        )
 
     async def _forward_batch(self, batch: list[str], stats: PollStats) -> None:
         """Forward ``batch``, ``cancel_concurrency`` at once, each forwarder taking the next request in order."""
@@ -611,6 +647,14 @@ class ChainPoller:
             details={"reason": "cancelled before it started"},
         )
         return True
+
+
+@dataclass
+class _CancelScan:
+    """Where one round of the cancellation loop is in the chain's list, and every request it has read."""
+
+    after: str | None = None
+    seen: set[str] = field(default_factory=set)
 
 
 def _start_attributes(inp: JobWorkflowInput, *, cancelled: bool) -> TypedSearchAttributes:

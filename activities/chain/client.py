@@ -90,11 +90,15 @@ class ChainClient(Protocol):
         """How many jobs ``pending_jobs`` would list after job ``after`` without a limit (a count, no listing)."""
         ...
 
-    async def cancel_requested_jobs(self, cluster_id: str, provider: str) -> list[str]:
+    async def cancel_requested_jobs(
+        self, cluster_id: str, provider: str, limit: int, after: str | None = None
+    ) -> list[str]:
         """Ids of this provider's non-final jobs on ``cluster_id`` (as ``pending_jobs`` assigns them, or where they
         reported running) whose tenant asked to cancel: first the jobs a workflow has taken (they may run, and
         be billed), then those still pending, each group in turns by tenant (every tenant's oldest request, then
-        every tenant's second, and so on), so that a flood of cancels does not delay another tenant's cancel."""
+        every tenant's second, and so on), so that a flood of cancels does not delay another tenant's cancel.
+        At most ``limit`` of them, after job ``after`` in that order (paging); an ``after`` no longer listed
+        starts from the first again."""
         ...
 
     async def open_jobs(

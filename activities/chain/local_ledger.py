@@ -104,14 +104,18 @@ _COUNT_PENDING_SQL = (
 # Cancel requests of jobs a workflow has taken (they may be running, and billed) before those of jobs still
 # waiting to be taken; in each group in turns by tenant (each tenant's oldest first, then each one's second, ...):
 # a flood of cancels, one tenant's or many tenants' pending jobs, does not push another's to the end of the list.
+# At most ?4 of them, after job ?3 in that order (from the first when ?3 is not in the list).
 _CANCEL_SQL = (
-    "SELECT job_id FROM (SELECT job_id, seq, waiting, "  # noqa: S608
+    "WITH ordered AS (SELECT job_id, seq, waiting, "  # noqa: S608
     "ROW_NUMBER() OVER (PARTITION BY tenant, waiting ORDER BY seq) AS turn FROM "
     "(SELECT job_id, seq, tenant, (state = 'pending' AND taken = 0) AS waiting FROM jobs "
     "WHERE provider = ?1 AND cancel_requested = 1 "
     "AND state NOT IN ('completed', 'failed', 'timeout', 'cancelled') "
-    f"AND {_RUNS_ON})) "
-    "ORDER BY waiting, turn, seq"
+    f"AND {_RUNS_ON})), "
+    "mark AS (SELECT waiting, turn, seq FROM ordered WHERE job_id = ?3) "
+    "SELECT job_id FROM ordered WHERE NOT EXISTS (SELECT 1 FROM mark) "
+    "OR (waiting, turn, seq) > (SELECT waiting, turn, seq FROM mark) "
+    "ORDER BY waiting, turn, seq LIMIT ?4"
 )
 _OPEN_SQL = (
     "SELECT * FROM jobs WHERE provider = ?1 "  # noqa: S608
@@ -986,13 +990,19 @@ class LocalLedger:
         started (or was found already started): a mark before a crash would otherwise lose the job."""
         await asyncio.to_thread(self._mark_taken, job_id)
 
-    def _cancel_requested_jobs(self, cluster_id: str, provider: str) -> list[str]:
+    def _cancel_requested_jobs(
+        self, cluster_id: str, provider: str, limit: int, after: str | None
+    ) -> list[str]:
         with self._tx(write=False) as db:
-            rows = db.execute(_CANCEL_SQL, (provider, cluster_id)).fetchall()
+            rows = db.execute(_CANCEL_SQL, (provider, cluster_id, after, max(0, limit))).fetchall()
         return [r["job_id"] for r in rows]
 
-    async def cancel_requested_jobs(self, cluster_id: str, provider: str) -> list[str]:
-        return await asyncio.to_thread(self._cancel_requested_jobs, cluster_id, provider)
+    async def cancel_requested_jobs(
+        self, cluster_id: str, provider: str, limit: int, after: str | None = None
+    ) -> list[str]:
+        """The cancel requests in the chain's order (``ChainClient``), ``limit`` at a time after job ``after``; an
+        ``after`` no longer in the list (its job ended, or its request moved) starts from the first again."""
+        return await asyncio.to_thread(self._cancel_requested_jobs, cluster_id, provider, limit, after)
 
     def _open_jobs(self, cluster_id: str, provider: str, limit: int, after: str | None) -> list[ChainJob]:
         with self._tx(write=False) as db:
