@@ -1,11 +1,12 @@
 """Watching N held SLURM jobs with W worker processes: the cluster monitor against the per-job watch activity.
 
     VEHPC_DEV_DIR=<the dev state of the running SLURM cluster, default .dev>   # run as root
-    .venv/bin/python benchmarks/monitor.py [--jobs 1000] [--workers 2] [--interval 2] [--window 40] [--old-rev REV]
+    .venv/bin/python benchmarks/monitor.py [--jobs 1000] [--old-jobs N] [--workers 2] [--interval 2] [--window 40]
 
-Both designs in one run, one after the other, on the real SLURM cluster and one Temporal dev server. "old" is the
-job workflow code of git revision ``--old-rev`` (default ``HEAD~1``; pass the last commit before the monitor),
-unpacked with ``git archive`` into a temporary directory; "new" is this checkout. For each design: W worker
+Both designs in one run, one after the other, on the real SLURM cluster and one Temporal dev server, both of this
+checkout: "old" is a heartbeating watch activity per job (``hpc.job_service.cluster_monitor: false``, the path a
+job started before the monitor keeps), "new" the cluster monitor. (Older revisions cannot be run beside this one:
+the poller here starts jobs with an input their workflow code refuses.) For each design: W worker
 processes (``--serve`` mode of this file: the design's own worker wiring, the SLURM adapter over the local CLI,
 submitting every job ``--hold`` so it never starts) serve one cluster task queue; N chain jobs are submitted on a
 LocalLedger and started by the chain poller; once all N are queued on chain (held in SLURM), the benchmark waits
@@ -17,8 +18,11 @@ LocalLedger and started by the chain poller; once all N are queued on chain (hel
 * the worker processes' RSS (idle before the jobs, and with N watched) and their CPU over the window;
 * the history events of the watched jobs so far.
 
-Afterwards every job's workflow is terminated and its held SLURM job cancelled. Needs the SLURM cluster's
-``MaxJobCount`` (10,000 by default) to have room for N more jobs.
+Afterwards every job's workflow is terminated and its held SLURM job cancelled; the job ids carry a token of the
+run, and every SLURM job whose name holds it is cancelled too, also when the run fails or is interrupted (a job
+submitted but not yet recorded on chain). Needs the SLURM cluster's ``MaxJobCount`` and the tenant account's
+``MaxSubmitJobs`` to have room for N more jobs. A design that cannot get all N queued (``--old-jobs`` runs the old
+one at a smaller N) is reported as such, with how far it got, and the run goes on with the next design.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -42,6 +47,8 @@ from typing import Any
 
 CODE = Path(__file__).resolve().parents[1]
 JOB_RPCS = ("REQUEST_JOB_INFO", "REQUEST_JOB_INFO_SINGLE", "REQUEST_JOB_USER_INFO")
+RUN = uuid.uuid4().hex[:8]
+"""In every job id of this run, so its SLURM jobs can be found and cancelled by name whatever happens."""
 QUERY_USER = "nobody"
 """The user the workers' ``squeue`` runs as: nobody else on the cluster uses it."""
 
@@ -138,7 +145,7 @@ async def count_events(args: argparse.Namespace) -> None:
                 hpc={
                     "cluster_id": f"ev-{_uuid.uuid4().hex[:6]}",
                     "usage_reporting": {"report_interval": interval},
-                    "job_service": {"cluster_monitor": True},
+                    "job_service": {"cluster_monitor": not args.watch_activity},
                 },
             )
             adapter = MemoryAdapter()
@@ -157,8 +164,9 @@ async def count_events(args: argparse.Namespace) -> None:
 
 
 def events_of(design: Design) -> dict[str, float]:
+    watch = [] if design.monitor else ["--watch-activity"]
     out = subprocess.run(
-        [sys.executable, str(Path(__file__).resolve()), "--events", "--code", str(design.code)],
+        [sys.executable, str(Path(__file__).resolve()), "--events", "--code", str(design.code), *watch],
         env={**os.environ, "PYTHONPATH": str(design.code)},
         cwd=design.code,
         capture_output=True,
@@ -177,6 +185,12 @@ def events_of(design: Design) -> dict[str, float]:
 class Design:
     name: str
     code: Path
+    jobs: int
+    monitor: bool
+
+
+class DidNotGetThrough(RuntimeError):
+    """A design's ramp stopped before all its jobs were queued."""
 
 
 @dataclass
@@ -196,17 +210,11 @@ class Figures:
     per_period: float = 0.0
 
 
-def old_tree(rev: str, into: Path) -> Path:
-    archive = subprocess.run(["git", "-C", str(CODE), "archive", rev], capture_output=True, check=True).stdout
-    subprocess.run(["tar", "-x", "-C", str(into)], input=archive, check=True)
-    return into
-
-
 def config_data(base: Path, env: dict[str, Any], address: str, args: argparse.Namespace) -> dict[str, Any]:
     sys.path.insert(0, str(CODE))
     from tests.slurm_cluster import slurm_section, tenants_section
 
-    room = args.jobs + 100
+    room = max(args.jobs, args.old_jobs or 0) + 100
     return {
         "hpc": {
             "scheduler_type": "slurm",
@@ -243,6 +251,7 @@ async def run_design(
     import psutil
     from temporalio.client import Client
     from temporalio.contrib.pydantic import pydantic_data_converter
+    from temporalio.service import RPCError
 
     from tests.pipeline_harness import setup_ledger
     from virtengine_hpc.config import load_config
@@ -255,8 +264,7 @@ async def run_design(
     key = base / "provider.key"
     write_private_key(key)
     data = config_data(base, env, address, args)
-    if design.name == "new":
-        data["hpc"]["job_service"]["cluster_monitor"] = True  # the default now; the old code has no such key
+    data["hpc"]["job_service"]["cluster_monitor"] = design.monitor
     config = load_config(data=data, env={})
     (base / "config.json").write_text(json.dumps(data))
     queue = f"bench-{design.name}-{uuid.uuid4().hex[:6]}"
@@ -310,7 +318,7 @@ async def run_design(
         job_ids = [
             ledger.submit_job(
                 {
-                    "job_id": f"JOB-{design.name}-{uuid.uuid4().hex[:10]}",
+                    "job_id": f"JOB-{design.name}-{RUN}-{uuid.uuid4().hex[:10]}",
                     "tenant": "virtengine1tenant0alice",
                     "provider": config.provider.address,
                     "offering_id": "offering-standard",
@@ -319,7 +327,7 @@ async def run_design(
                     "max_price": "100",
                 }
             )
-            for _ in range(args.jobs)
+            for _ in range(design.jobs)
         ]
         for job_id in job_ids:
             ledger.create_decision(job_id, config.hpc.cluster_id)
@@ -334,19 +342,31 @@ async def run_design(
             settings=job_settings(config),
         )
         started = time.monotonic()
+        queued, stuck = 0, 0
         while True:
-            await poller.poll_once()
+            try:
+                await poller.poll_once()
+            except RPCError as exc:  # a production poller polls again at its next interval; so does this loop
+                print(
+                    f"  {design.name}: a poll failed ({exc.status.name}: {exc.message}); polling again",
+                    flush=True,
+                )
             jobs = [ledger.job(j) for j in job_ids]
             failed = [j for j in jobs if j is not None and j.state.final]
             if failed:
-                raise RuntimeError(f"{len(failed)} jobs ended instead of waiting: {failed[0].status_message}")
-            queued = sum(1 for j in jobs if j is not None and j.state == JobState.QUEUED)
-            print(
-                f"  {design.name}: {queued}/{args.jobs} queued (held) after {time.monotonic() - started:.0f} s",
-                flush=True,
-            )
-            if queued >= args.jobs:
+                raise DidNotGetThrough(
+                    f"{len(failed)} jobs ended instead of waiting ({queued} queued): {failed[0].status_message}"
+                )
+            was, queued = queued, sum(1 for j in jobs if j is not None and j.state == JobState.QUEUED)
+            elapsed = time.monotonic() - started
+            print(f"  {design.name}: {queued}/{design.jobs} queued (held) after {elapsed:.0f} s", flush=True)
+            if queued >= design.jobs:
                 break
+            stuck = 0 if queued > was else stuck + 5
+            if stuck >= args.stall or elapsed >= args.ramp_limit:
+                raise DidNotGetThrough(
+                    f"{queued} of {design.jobs} queued after {elapsed:.0f} s, none for {stuck} s"
+                )
             await asyncio.sleep(5)
         started_in = time.monotonic() - started
         await asyncio.sleep(args.settle)
@@ -364,7 +384,7 @@ async def run_design(
             events.append(len((await client.get_workflow_handle(job_id).fetch_history()).events))
         return Figures(
             design.name,
-            args.jobs,
+            design.jobs,
             started_in,
             _diff(after, before),
             background,
@@ -398,6 +418,18 @@ async def _clean_up(
     held = [j.scheduler_job_id for j in map(ledger.job, job_ids) if j is not None and j.scheduler_job_id]
     for chunk in range(0, len(held), 500):
         subprocess.run(["scancel", *held[chunk : chunk + 500]], env=shell, check=False, timeout=120)
+    cancel_run_jobs(shell)
+
+
+def cancel_run_jobs(shell: dict[str, str]) -> int:
+    """Cancel every SLURM job of this run (its name holds ``RUN``), whoever's account it runs as."""
+    listing = subprocess.run(
+        ["squeue", "-h", "-o", "%i %j"], env=shell, capture_output=True, text=True, check=False, timeout=300
+    ).stdout
+    ours = [line.split()[0] for line in listing.splitlines() if RUN in line and line.split()]
+    for chunk in range(0, len(ours), 500):
+        subprocess.run(["scancel", *ours[chunk : chunk + 500]], env=shell, check=False, timeout=120)
+    return len(ours)
 
 
 def _diff(after: dict[str, int], before: dict[str, int]) -> dict[str, int]:
@@ -415,11 +447,16 @@ def rpcs_per_squeue(shell: dict[str, str]) -> int:
         return _diff(sdiag(shell), before)[f"user:{QUERY_USER}"]
 
 
-def report(figures: list[Figures], args: argparse.Namespace) -> None:
+def report(figures: list[Figures], failed: dict[str, str], args: argparse.Namespace) -> None:
     print(
-        f"\n{args.jobs} held jobs watched by {args.workers} worker processes, poll interval {args.interval} s, "
-        f"window {args.window} s; one squeue costs the controller {args.rpcs_per_squeue} RPCs"
+        f"\nheld jobs watched by {args.workers} worker processes, poll interval {args.interval} s, "
+        f"window {args.window} s; one squeue costs the controller {args.rpcs_per_squeue} RPCs; "
+        f"load average {' '.join(f'{x:.1f}' for x in os.getloadavg())}"
     )
+    for name, why in failed.items():
+        print(f"{name}: did not get through: {why}")
+    if not figures:
+        return
     head = f"{'':44}" + "".join(f"{f.design:>16}" for f in figures)
     print(head)
 
@@ -427,6 +464,7 @@ def report(figures: list[Figures], args: argparse.Namespace) -> None:
         print(f"{label:44}" + "".join(f"{v:>16}" for v in values))
 
     ours = f"user:{QUERY_USER}"
+    row("held jobs watched (N)", [str(f.jobs) for f in figures])
     row("time to N queued (s)", [f"{f.started_in:.0f}" for f in figures])
     row(f"workers' squeue RPCs in the window ({QUERY_USER})", [str(f.rpcs[ours]) for f in figures])
     row(
@@ -466,18 +504,32 @@ async def main(args: argparse.Namespace) -> None:
         ui=False,
         dev_server_log_level="error",
     )
-    scratch = Path(tempfile.mkdtemp(prefix="vehpc-monitor-old-"))
     try:
         address = temporal.client.service_client.config.target_host
-        designs = [Design("old", old_tree(args.old_rev, scratch)), Design("new", CODE)]
-        figures = [await run_design(d, args, address, env, shell) for d in designs]
-        for design, figure in zip(designs, figures, strict=True):
-            counted = events_of(design)
-            figure.short_job, figure.per_period = counted["short_job"], counted["per_period"]
-        report(figures, args)
+        known = {
+            "old": Design("old", CODE, args.old_jobs or args.jobs, monitor=False),
+            "new": Design("new", CODE, args.jobs, monitor=True),
+        }
+        figures: list[Figures] = []
+        failed: dict[str, str] = {}
+        for name in args.designs.split(","):
+            design = known[name]
+            try:
+                figure = await run_design(design, args, address, env, shell)
+            except Exception as exc:  # reported; the next design still runs
+                failed[f"{design.name} at N={design.jobs}"] = str(exc)
+                print(f"  {design.name}: did not get through: {exc}", flush=True)
+                continue
+            if args.count_events:
+                counted = events_of(design)
+                figure.short_job, figure.per_period = counted["short_job"], counted["per_period"]
+            figures.append(figure)
+        report(figures, failed, args)
     finally:
         await temporal.shutdown()
-        shutil.rmtree(scratch, ignore_errors=True)
+        print(
+            f"run {RUN}: {cancel_run_jobs(shell)} SLURM jobs of the run left to cancel at the end", flush=True
+        )
 
 
 def cli() -> None:
@@ -491,9 +543,18 @@ def cli() -> None:
     parser.add_argument(
         "--settle", type=float, default=10.0, help="seconds after all are queued, before counting"
     )
-    parser.add_argument("--old-rev", default="HEAD~1", help="git revision of today's design")
+    parser.add_argument("--old-jobs", type=int, help="N for the old design (default: --jobs)")
+    parser.add_argument("--designs", default="old,new", help="which designs, in this order")
+    parser.add_argument(
+        "--stall", type=float, default=600.0, help="give a design up when no job was queued for this long (s)"
+    )
+    parser.add_argument("--ramp-limit", type=float, default=3600.0, help="give a design's ramp up after (s)")
+    parser.add_argument(
+        "--no-events", dest="count_events", action="store_false", help="skip the short-job history count"
+    )
     parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--events", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--watch-activity", action="store_true", help=argparse.SUPPRESS)
     for name in ("--config", "--key", "--queue", "--ready", "--code"):
         parser.add_argument(name, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -501,6 +562,8 @@ def cli() -> None:
         sys.path.insert(0, args.code)
         asyncio.run(serve(args) if args.serve else count_events(args))
     else:
+        # A terminated run unwinds like an interrupted one: workers stopped, workflows closed, jobs cancelled.
+        signal.signal(signal.SIGTERM, signal.default_int_handler)
         asyncio.run(main(args))
 
 
