@@ -91,6 +91,8 @@ EVENTS: dict[str, Category] = {
     "routing_violation": Category.ROUTING,
     "security_violation": Category.SECURITY,
     "adoption_refused": Category.SECURITY,  # this project's own: a look-alike scheduler job was not adopted
+    "tenant_account_released": Category.SECURITY,  # this project's own: a pool account left its tenant
+    "tenant_account_release_refused": Category.SECURITY,  # this project's own: its jobs or files stay
     "signature_invalid": Category.SECURITY,
     "template_rejected": Category.SECURITY,
     "heartbeat_rejected": Category.SECURITY,

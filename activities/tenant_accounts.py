@@ -229,10 +229,20 @@ class TenantAccounts:
             if account is None:
                 if self.store is None:
                     raise TenantAccountError(self.rules.missing(tenant))
-                account = self.store.assign(tenant, self.rules, self._held_back.keys())
+                try:
+                    account = self.store.assign(tenant, self.rules, self._held_back.keys())
+                except TenantAccountError as exc:
+                    raise self._with_held_back(exc) from None
             self._check_one_holder(tenant, account)
             self._known[tenant] = account
             return account
+
+    def _with_held_back(self, exc: TenantAccountError) -> TenantAccountError:
+        """The refusal, saying which pool accounts are held back and why (on chain and in the audit record)."""
+        if not self._held_back:
+            return exc
+        why = "; ".join(f"{account}: {reason}" for account, reason in sorted(self._held_back.items()))
+        return TenantAccountError(f"{exc}; held back, not handed to a new tenant: {why}", code=exc.code)
 
     def _check_one_holder(self, tenant: str, account: str) -> None:
         """``account`` is ``tenant``'s alone: neither fixed for another tenant nor held by one in the pool."""
@@ -266,14 +276,26 @@ class TenantAccounts:
         taken = set(self.store.all().values()) | self._held_back.keys()
         return [a for a in self.rules.pool if a not in taken]
 
-    def hold_back(self, in_use: Mapping[str, str], *, cluster_id: str) -> None:
+    def hold_back(self, in_use: Mapping[str, str], *, cluster_id: str, files: bool = False) -> None:
         """Never hand out these pool accounts (account -> what shows them in use): the cluster has jobs of them
         that no assignment here explains, so some tenant holds them in an assignments file this one does not
-        know (lost and recreated, or another host's own)."""
+        know (lost and recreated, or another host's own). ``files``: what shows them in use is files left in
+        their job directories, which a new tenant would inherit."""
         for account, why in sorted(in_use.items()):
             if account in self._held_back:
                 continue
             self._held_back[account] = why
+            if files:
+                log.error(
+                    "pool account %s is not handed out: %s on cluster %s, and a new tenant gets a pool account "
+                    "only with an empty job directory (they are an earlier tenant's: once it has its outputs, "
+                    "remove them as the account, or run virtengine-hpc tenants release --clean while it still "
+                    "holds the account)",
+                    account,
+                    why,
+                    cluster_id,
+                )
+                continue
             log.error(
                 "pool account %s is not handed out: %s on cluster %s, but %s names no tenant for it (the file "
                 "was recreated, or another host keeps its own: hpc.tenants.assignments_path must be the one file "

@@ -27,8 +27,15 @@ from activities.schedulers import local as local_module
 from activities.schedulers import local_supervisor as sup
 from activities.schedulers.base import NativeStatus, RefusedAdoption, SubmitRequest, registered
 from activities.schedulers.local import JOB_PATH, LocalAdapter, scheduler_job_id
-from activities.tenant_accounts import TenantAccounts
-from tests.local_support import JOB_PYTHON, reachable_dir, running_as_root, shared_dir, tenant_accounts
+from activities.tenant_accounts import AssignmentStore, TenantAccounts
+from tests.local_support import (
+    JOB_PYTHON,
+    TENANT_POOL,
+    reachable_dir,
+    running_as_root,
+    shared_dir,
+    tenant_accounts,
+)
 from virtengine_hpc.config import LocalSchedulerConfig
 from virtengine_hpc.errors import ConfigError, JobNotFound, SubmissionRejected
 from virtengine_hpc.markers import MarkerKey
@@ -36,7 +43,7 @@ from virtengine_hpc.metering import GB, meter
 from virtengine_hpc.models import JobSpec, Resources
 from virtengine_hpc.signing import write_private_key
 from virtengine_hpc.states import FINAL_STATES, JobState
-from virtengine_hpc.tenancy import TenantRules
+from virtengine_hpc.tenancy import TenantAccountError, TenantRules
 
 REPO = Path(__file__).resolve().parents[1]
 #: The account ``tenant1``'s jobs run as when the tests run as root (``tenant_accounts``).
@@ -1001,6 +1008,36 @@ def test_a_lookalikes_supervisor_that_starts_after_it_was_set_aside_leaves_the_n
     assert "moved or replaced" in late.stderr + late.stdout
     assert not (jobdir / sup.STARTED).exists(), "the victim's job is not marked as taken"
     assert sorted(p.name for p in jobdir.iterdir()) == [sup.LOCK, sup.META]
+
+
+@pytest.mark.skipif(not running_as_root(), reason="pool accounts need a root worker")
+async def test_a_pool_account_with_job_directories_here_is_never_handed_to_a_new_tenant(
+    make_adapter: Callable[..., LocalAdapter], tmp_path: Path
+) -> None:
+    """Worker A's assignments file gave tenant X the pool's account, and X's job ran as it: its directory, with
+    X's outputs in its work/, is kept. Worker B keeps a file of its own (lost and recreated, or another host's):
+    its pool shows the account free. Before handing it out, B asks its job registry, as the SLURM and MOAB
+    adapters ask the cluster, and refuses the new tenant Z rather than give it X's uid and X's files."""
+    account = TENANT_POOL[-1]
+    state_dir = make_adapter().state_dir
+
+    def worker(db: str) -> LocalAdapter:
+        tenants = TenantAccounts(TenantRules(pool=(account,)), AssignmentStore(tmp_path / db))
+        config = LocalSchedulerConfig(kill_wait="1s", allow_unisolated=True)
+        return LocalAdapter(config, state_dir, "test-cluster", tenants)
+
+    worker_a, worker_b = worker("a.db"), worker("b.db")
+    x = await worker_a.submit(request("wf-pool-x", "id -un > out\n", tenant="tenantx"))
+    assert (await wait_final(worker_a, x.scheduler_job_id)).state == JobState.COMPLETED
+    assert (worker_a.work_dir(x.scheduler_job_id) / "out").read_text() == f"{account}\n"
+    with pytest.raises(TenantAccountError, match=r"accounts of hpc\.tenants\.pool are taken") as refused:
+        await worker_b.submit(request("wf-pool-z", "id -un\n", tenant="tenantz"))
+    assert f"held back, not handed to a new tenant: {account}: 1 local job directories" in str(refused.value)
+    assert await worker_b.find("wf-pool-z") is None
+    assert AssignmentStore(tmp_path / "b.db").all() == {}, "nothing recorded for the new tenant"
+    assert await worker_b.accounts_in_use([account, TENANT_POOL[0]]) == {
+        account: f"1 local job directories in {state_dir / 'jobs'} (0 not ended), which hold its files"
+    }
 
 
 def test_supervisors_of_old_jobs_sample_less_often() -> None:

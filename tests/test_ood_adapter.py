@@ -16,12 +16,13 @@ import pytest
 
 from activities.schedulers.base import SubmitRequest, SubmitResult
 from activities.schedulers.ood import OODAdapter
+from activities.tenant_accounts import AssignmentStore
 from tests import moab_support as ms
 from tests.conftest import make_config
 from tests.sim import oidc
 from tests.sim.https import HttpsServer
 from tests.sim.moab import ensure_user
-from virtengine_hpc.config import Config, Secrets
+from virtengine_hpc.config import Config, Secrets, TenantsConfig
 from virtengine_hpc.errors import (
     ConfigError,
     SchedulerUnavailable,
@@ -31,7 +32,7 @@ from virtengine_hpc.errors import (
 from virtengine_hpc.markers import claimed_workflow
 from virtengine_hpc.models import JobSpec
 from virtengine_hpc.states import JobState
-from virtengine_hpc.tenancy import TenantAccountError
+from virtengine_hpc.tenancy import TenantAccountError, TenantRules
 
 USERS = ("vehpc-ood1", "vehpc-ood2")
 ALICE, BOB, CAROL = "virtengine1tenant0alice", "virtengine1tenant0bob", "virtengine1tenant0carol"
@@ -296,3 +297,39 @@ async def test_a_link_in_place_of_a_users_directory_refuses_its_job_and_only_its
     finally:
         victim.unlink()
         moved.rename(victim)
+
+
+async def test_a_pool_user_with_jobs_is_never_handed_to_a_new_tenant(
+    cluster: ms.MoabCluster, idp: oidc.IdP, tmp_path: Path
+) -> None:
+    """Worker A's assignments file gave tenant X the pool's cluster user and X's job runs as it; worker B keeps a
+    file of its own (lost and recreated, or another host's). Before handing the user to a new tenant, B asks the
+    scheduler under OOD for that user's jobs, as OOD's Active Jobs app does (as that user), and refuses the new
+    tenant Z rather than run Z's jobs as X's user."""
+    x, z = "virtengine1tenant0x", "virtengine1tenant0z"
+    AssignmentStore(tmp_path / "a.db").assign(x, TenantRules(pool=(USERS[1],)))
+
+    def worker(db: str) -> OODAdapter:
+        config = ood_config(cluster, idp, tmp_path)
+        tenants = TenantsConfig(pool=[USERS[1]], assignments_path=tmp_path / db)
+        config = config.model_copy(update={"hpc": config.hpc.model_copy(update={"tenants": tenants})})
+        return OODAdapter.from_config(config, secrets(), config.hpc.cluster_id)
+
+    worker_a, worker_b = worker("a.db"), worker("b.db")
+    x_wf, z_wf = ms.workflow_id("ood-pool-x"), ms.workflow_id("ood-pool-z")
+    try:
+        own = await worker_a.submit(
+            SubmitRequest(workflow_id=x_wf, job=ms.spec(x_wf, "sleep 30\n", tenant=x), body="x")
+        )
+        assert own.scheduler_job_id.startswith(f"{USERS[1]}/")
+        with pytest.raises(TenantAccountError, match=r"accounts of hpc\.tenants\.pool are taken") as refused:
+            await worker_b.submit(
+                SubmitRequest(workflow_id=z_wf, job=ms.spec(z_wf, "true\n", tenant=z), body="x")
+            )
+        assert f"held back, not handed to a new tenant: {USERS[1]}: " in str(refused.value)
+        assert [j for j in cluster.moab.jobs.values() if claimed_workflow(j.name) == z_wf] == []
+        assert AssignmentStore(tmp_path / "b.db").all() == {}, "nothing recorded for the new tenant"
+        await worker_a.cancel(own.scheduler_job_id)
+    finally:
+        await worker_a.close()
+        await worker_b.close()

@@ -11,6 +11,8 @@ other tenant's job runs.
 from __future__ import annotations
 
 import asyncio
+import json
+import os
 import pwd
 import shutil
 import uuid
@@ -22,12 +24,14 @@ import pytest
 import yaml
 from temporalio.client import Client
 
-from activities.schedulers.base import SubmitRequest
+from activities.schedulers.base import SubmitRequest, hold_back_taken
 from activities.schedulers.slurm import SlurmAdapter
 from activities.tenant_accounts import AssignmentStore
 from tests import slurm_cluster as sc
 from tests.conftest import make_config
+from tests.local_support import reachable_dir
 from tests.pipeline_harness import Pipeline, running_pipeline
+from tests.sim.moab import ensure_user
 from virtengine_hpc.config import load_config
 from virtengine_hpc.errors import ConfigError, SecurityError
 from virtengine_hpc.states import JobState
@@ -347,3 +351,103 @@ def test_release_refuses_an_account_whose_jobs_the_cluster_still_shows(
     assert main(["-c", str(path), "tenants", "release", x, "--force"]) == 0
     assert f"released {account} from tenant {x}" in capsys.readouterr().out
     assert AssignmentStore(tmp_path / "assignments.db").all() == {}
+
+
+def release(config: Path, tenant: str, *flags: str) -> int:
+    from virtengine_hpc.cli import main
+
+    return main(["-c", str(config), "tenants", "release", tenant, *flags])
+
+
+async def test_release_hands_a_pool_account_on_only_with_an_empty_job_directory(
+    env: dict[str, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """X's real job leaves its output and files of its own (in a directory it made read-only) in
+    ``<work_dir>/<account>``. Released with them, the account's next tenant would run as the same uid in that
+    directory and read them. ``tenants release X`` refuses while the directory holds files, naming them, and audits
+    the refusal; once X has its outputs, ``--clean`` removes them as the account (``find``, fixed argvs) and
+    releases it, audited too. (X's job is in accounting, which ``--force`` passes over.)"""
+    account = sc.tenant_accounts(env)[-1]
+    x = "virtengine1tenant0x"
+    work, assignments = reachable_dir("slurm-work"), tmp_path / "assignments.db"
+    AssignmentStore(assignments).assign(x, TenantRules(pool=(account,)))
+    tenants = {"pool": [account], "assignments_path": str(assignments)}
+    adapter = sc.adapter(env, "cli", tenants=tenants, work_dir=str(work))
+    wf = wid("leftover")
+    script = "echo x-results > results.txt\nmkdir -p keep/deep && echo x > keep/deep/f && chmod 500 keep/deep keep\n"
+    try:
+        job = await adapter.submit(
+            SubmitRequest(workflow_id=wf, job=sc.spec(wf, script, tenant=x), body=script)
+        )
+        assert (await sc.wait_final(adapter, job.scheduler_job_id)).state == JobState.COMPLETED
+    finally:
+        await adapter.close()
+    directory = work / account
+    assert (directory / "results.txt").read_text() == "x-results\n"
+    config = tmp_path / "config.yaml"
+    hpc = {"scheduler_type": "slurm", "cluster_id": "slurm-test", "tenants": tenants}
+    hpc |= {"slurm": sc.slurm_section(env, "cli", work_dir=str(work))}
+    hpc |= {"audit": {"log_path": str(tmp_path / "audit.jsonl")}}
+    config.write_text(yaml.safe_dump({"hpc": hpc}))
+    monkeypatch.setenv("PROVIDER_MARKER_SECRET", sc.MARKER_SECRET)
+
+    assert await asyncio.to_thread(release, config, x, "--force") == 2
+    err = capsys.readouterr().err
+    assert f"{account} of tenant {x}: its job directory holds" in err and "'results.txt'" in err, err
+    assert "--clean" in err
+    assert AssignmentStore(assignments).all() == {x: account}, "nothing released"
+    assert (directory / "keep" / "deep" / "f").exists()
+
+    assert await asyncio.to_thread(release, config, x, "--force", "--clean") == 0
+    assert f"released {account} from tenant {x}" in capsys.readouterr().out
+    assert list(directory.iterdir()) == [], "emptied, read-only directories too"
+    assert directory.stat().st_uid == pwd.getpwnam(account).pw_uid, "the directory itself stays the account's"
+    assert AssignmentStore(assignments).all() == {}
+    events = [json.loads(line) for line in (tmp_path / "audit.jsonl").read_text().splitlines()]
+    assert [(e["event_type"], e["details"]["account"], e["details"]["files_removed"]) for e in events] == [
+        ("tenant_account_release_refused", account, False),
+        ("tenant_account_released", account, True),
+    ]
+    assert "results.txt" in events[0]["error_msg"] and events[0]["details"]["tenant"] == x
+
+
+async def test_a_pool_account_whose_job_directory_holds_files_is_never_handed_to_a_new_tenant(
+    env: dict[str, Any], tmp_path: Path
+) -> None:
+    """An unassigned pool account the cluster shows no job of (its last tenant's jobs older than
+    ``accounting_lookback``, or released with ``--keep-files``) whose job directory still holds files: the pool
+    never hands it to a new tenant, who is refused with the reason (on chain and in the audit, through the submit
+    activity) while the directory holds them; once it is empty, the account is handed out."""
+    fresh = "vehpc-fresh1"  # an account with no Slurm association: it has never run a job
+    if not ensure_user(fresh, system=False):
+        pytest.fail(f"cannot create the account {fresh} (run the tests as root)")
+    work = reachable_dir("slurm-work")
+    entry = pwd.getpwnam(fresh)
+    (work / fresh).mkdir(mode=0o700)
+    (work / fresh / "left.txt").write_text("the last tenant's\n")
+    for path in (work / fresh, work / fresh / "left.txt"):
+        os.chown(path, entry.pw_uid, entry.pw_gid)
+    tenants = {"pool": [fresh], "assignments_path": str(tmp_path / "a.db")}
+    z, wf = "virtengine1tenant0z", wid("fresh-z")
+    adapter = sc.adapter(env, "cli", tenants=tenants, work_dir=str(work), hold=True)
+    try:
+        with pytest.raises(TenantAccountError, match=r"accounts of hpc\.tenants\.pool are taken") as refused:
+            await adapter.submit(
+                SubmitRequest(
+                    workflow_id=wf, job=sc.spec(wf, "true\n", tenant=z), body="true\n", first_attempt=True
+                )
+            )
+        assert f"held back, not handed to a new tenant: {fresh}: its job directory holds 'left.txt'" in str(
+            refused.value
+        )
+        assert sc.controller_jobs_of(env, wf) == []
+        assert AssignmentStore(tmp_path / "a.db").all() == {}, "nothing recorded for the new tenant"
+    finally:
+        await adapter.close()
+    (work / fresh / "left.txt").unlink()
+    again = sc.adapter(env, "cli", tenants=tenants, work_dir=str(work), hold=True)
+    try:
+        await hold_back_taken(again, again.tenants, z, cluster_id=again.cluster_id)
+        assert again.tenants.account_for(z, submit_account=again.backend.user) == fresh
+    finally:
+        await again.close()

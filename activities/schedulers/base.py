@@ -24,17 +24,22 @@ exceptions (``virtengine_hpc.errors``) into Temporal errors. The contract, which
 from __future__ import annotations
 
 import abc
+import asyncio
 import logging
 from collections.abc import Callable, Iterable, Sequence
 from datetime import datetime
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 from pydantic import Field
 
 from virtengine_hpc.config import Config, Secrets
+from virtengine_hpc.errors import SchedulerError
 from virtengine_hpc.metering import Reading
 from virtengine_hpc.models import JobSpec, Model
 from virtengine_hpc.states import JobState
+
+if TYPE_CHECKING:
+    from activities.tenant_accounts import TenantAccounts
 
 log = logging.getLogger(__name__)
 
@@ -140,6 +145,10 @@ class Accounting(Model):
     end_time: datetime | None = None
 
 
+#: How many entry names ``account_files`` returns at most (enough to say what is left, never a whole tree).
+FILES_SHOWN = 20
+
+
 class SchedulerAdapter(abc.ABC):
     """Base of every scheduler adapter. Subclasses register themselves by ``name``."""
 
@@ -205,6 +214,18 @@ class SchedulerAdapter(abc.ABC):
         pool account is handed out and before ``tenants release`` lets one go; empty where it cannot tell."""
         return {}
 
+    async def account_files(self, account: str) -> list[str] | None:
+        """What ``account`` left in its job directory (``<work_dir>/<account>``): the names of its entries, at
+        most ``FILES_SHOWN`` (``[]``: empty or missing). ``None`` where this adapter has no view of it it can
+        trust (no file system, or only through the account's own login, whose startup files its tenant wrote).
+        Checked before the pool hands out an account and before ``tenants release`` lets one go."""
+        return None
+
+    async def remove_account_files(self, account: str) -> None:
+        """Remove everything in ``account``'s job directory, as the account, by a fixed argv; raises
+        ``SchedulerError`` where this adapter cannot (``account_files`` is ``None``) or something is left."""
+        raise SchedulerError(f"{self.name} cannot remove {account}'s files from here", transient=False)
+
     async def cancel_many(self, scheduler_job_ids: Sequence[str]) -> None:
         """Cancel several jobs (the sweep's findings); one call per job unless the scheduler takes a list."""
         for scheduler_job_id in scheduler_job_ids:
@@ -268,3 +289,31 @@ def register(name: str) -> Callable[[type[SchedulerAdapter]], type[SchedulerAdap
 
 def registered() -> dict[str, type[SchedulerAdapter]]:
     return dict(_REGISTRY)
+
+
+async def hold_back_taken(
+    adapter: SchedulerAdapter, tenants: TenantAccounts, tenant: str, *, cluster_id: str
+) -> None:
+    """Before the pool hands ``tenant`` an account, hold back the unassigned pool accounts some other tenant still
+    has a claim on: those the scheduler shows jobs of (an assignments file lost and recreated, or another host's
+    own), then, in the order the pool hands them out, those whose job directory holds files (an earlier tenant's
+    outputs, which the new one would read and could take for its own), up to the first that is empty. Where the
+    adapter cannot see the files (``account_files`` is ``None``), ``tenants release`` is the gate."""
+    if not await asyncio.to_thread(tenants.needs_assignment, tenant):
+        return
+    free = await asyncio.to_thread(tenants.unassigned_pool)
+    if not free:
+        return
+    tenants.hold_back(await adapter.accounts_in_use(free), cluster_id=cluster_id)
+    for account in await asyncio.to_thread(tenants.unassigned_pool):
+        left = await adapter.account_files(account)
+        if not left:
+            return
+        tenants.hold_back({account: files_left_message(left)}, cluster_id=cluster_id, files=True)
+
+
+def files_left_message(names: Sequence[str]) -> str:
+    """``names`` (entries of a job directory) said shortly, for logs, errors and audit records."""
+    shown = ", ".join(repr(name[:60]) for name in list(names)[:3])
+    more = "" if len(names) <= 3 else f" and {'more' if len(names) >= FILES_SHOWN else len(names) - 3}"
+    return f"its job directory holds {shown}{more}"

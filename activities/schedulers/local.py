@@ -35,7 +35,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable, Sequence
 from datetime import UTC, datetime, timedelta
 from decimal import Decimal
 from pathlib import Path
@@ -43,6 +43,7 @@ from typing import Any
 
 from activities.schedulers import local_supervisor as sup
 from activities.schedulers.base import (
+    FILES_SHOWN,
     Accounting,
     NativeStatus,
     RefusedAdoption,
@@ -391,6 +392,10 @@ class LocalAdapter(SchedulerAdapter):
                     code="tenant_account_missing",
                 )
             return None
+        if self.accounts.needs_assignment(tenant) and (free := self.accounts.unassigned_pool()):
+            # As on a cluster: a pool account with job directories here is an earlier tenant's (its files, maybe
+            # its running job), whatever an assignments file says (lost and recreated, or released with --force).
+            self.accounts.hold_back(self._accounts_in_use(free), cluster_id=self.cluster_id)
         account = self.accounts.account_for(tenant, submit_account=self.worker_user)
         if account == self.worker_user and not self.switches_users:
             return None
@@ -758,6 +763,41 @@ class LocalAdapter(SchedulerAdapter):
             start_time=start,
             end_time=_utc(status.get("end_time")),
         )
+
+    # ---- accounts ------------------------------------------------------------------------------------------
+    async def accounts_in_use(self, accounts: Sequence[str]) -> dict[str, str]:
+        return await asyncio.to_thread(self._accounts_in_use, accounts)
+
+    async def account_files(self, account: str) -> list[str] | None:
+        """The job directories of ``account`` (its files are in their ``work/``); the operator removes them."""
+        jobs = await asyncio.to_thread(self._jobs_of, {account})
+        return [job_id for job_id, _ in jobs.get(account, [])][:FILES_SHOWN]
+
+    def _accounts_in_use(self, accounts: Iterable[str]) -> dict[str, str]:
+        """The local executor's registry is its job directories: an account has jobs here while any of its job
+        directories is kept, running or ended (they hold its outputs until the operator removes them)."""
+        found = {}
+        for account, jobs in self._jobs_of(set(accounts)).items():
+            live = sum(1 for _, ended in jobs if not ended)
+            found[account] = (
+                f"{len(jobs)} local job directories in {self._jobs} ({live} not ended), which hold its files"
+            )
+        return found
+
+    def _jobs_of(self, accounts: Collection[str]) -> dict[str, list[tuple[str, bool]]]:
+        """``account -> [(job id, ended)]``: every job directory whose job runs as one of ``accounts``."""
+        found: dict[str, list[tuple[str, bool]]] = {}
+        with contextlib.suppress(FileNotFoundError):
+            for entry in os.scandir(self._jobs):
+                if not _JOB_ID_RE.fullmatch(entry.name):
+                    continue
+                meta = sup.read_json(f"{entry.path}/{sup.META}") or {}
+                run_as = meta.get("run_as")
+                user = run_as.get("user") if isinstance(run_as, dict) else None
+                if isinstance(user, str) and user in accounts:
+                    status = sup.read_json(f"{entry.path}/{sup.STATUS}") or {}
+                    found.setdefault(user, []).append((entry.name, status.get("state") in sup.FINAL_STATES))
+        return found
 
     # ---- housekeeping --------------------------------------------------------------------------------------
     @staticmethod

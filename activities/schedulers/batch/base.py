@@ -43,11 +43,13 @@ from datetime import UTC, datetime
 from typing import Generic, Protocol, TypeVar
 
 from activities.schedulers.base import (
+    FILES_SHOWN,
     ListedJob,
     RefusedAdoption,
     SchedulerAdapter,
     SubmitRequest,
     SubmitResult,
+    files_left_message,
 )
 from activities.schedulers.batch.workdir import TenantDirs, remote_tenant_dirs
 from virtengine_hpc.config import RetryConfig
@@ -665,6 +667,11 @@ def chunked_by_length(ids: Iterable[str], budget: int) -> Iterator[list[str]]:
         yield batch
 
 
+#: ``find`` as another account starts in ``/``: it must return to its starting directory, and the worker's own
+#: is usually closed to that account.
+_FROM_ROOT = ("env", "-C", "/")
+
+
 class AccountExecutors:
     """The provider's own command executor and, built on first use, one per tenant account.
 
@@ -703,6 +710,61 @@ class AccountExecutors:
     async def tenant_dir(self, work_dir: str, account: str) -> str:
         """``<work_dir>/<account>`` once it is the account's own private directory (``workdir.TenantDirs``)."""
         return await self.dirs.ensure(work_dir, account)
+
+    def _outside_login(self, account: str) -> CommandExecutor | None:
+        """The account's executor if its commands run outside the account's own login (``setpriv``, ``runuser``,
+        ``sudo``: no shell, no startup files); None over SSH, where the startup files its tenant wrote could
+        answer anything."""
+        if self._factory is None or account == self.user:
+            return None
+        executor = self.get(account)
+        return None if getattr(executor.runner, "reads_startup_files", True) else executor
+
+    async def account_files(self, work_dir: str, account: str) -> list[str] | None:
+        """The entries of ``<work_dir>/<account>`` (at most ``FILES_SHOWN``; ``[]``: empty or missing), listed as
+        the account by a fixed argv; None where no listing can be trusted (``_outside_login``)."""
+        executor = self._outside_login(account)
+        if executor is None:
+            return None
+        path = f"{work_dir.rstrip('/')}/{account}"
+        result = await executor.run(
+            [*_FROM_ROOT, "find", path, "-mindepth", "1", "-maxdepth", "1", "-printf", "%P\\0"],
+            what=f"listing of {path} as {account}",
+            ok=lambda r: r.exit_code == 0 or "No such file or directory" in r.stderr,
+        )
+        names = [name for name in result.stdout.split("\0") if name] if result.exit_code == 0 else []
+        return names[:FILES_SHOWN]
+
+    async def remove_account_files(self, work_dir: str, account: str) -> None:
+        """Empty ``<work_dir>/<account>`` as the account (fixed argvs: ``find`` gives the account's search and
+        write bits back to its own directories, each before it descends, then deletes depth first, never
+        following a link); ``SchedulerError`` if anything is left (files of another owner: only root can remove
+        them)."""
+        executor = self._outside_login(account)
+        path = f"{work_dir.rstrip('/')}/{account}"
+        if executor is None:
+            raise SchedulerError(
+                f"{self.own.runner.description} cannot remove {account}'s files without its login, whose startup "
+                f"files its tenant wrote: remove them on the cluster (runuser -u {account} -- find {path} "
+                "-mindepth 1 -delete)",
+                transient=False,
+            )
+        for what, argv in (
+            ("chmod u+rwx", ["-type", "d", "-exec", "chmod", "u+rwx", "{}", ";"]),
+            ("removal", ["-delete"]),
+        ):
+            await executor.run(
+                [*_FROM_ROOT, "find", path, "-mindepth", "1", *argv],
+                what=f"{what} in {path} as {account}",
+                ok=lambda r: True,  # what is left is checked below
+            )
+        left = await self.account_files(work_dir, account)
+        if left:
+            raise SchedulerError(
+                f"{path}: {files_left_message(left)} after its removal as {account} (files of another owner: "
+                "remove them as root)",
+                transient=False,
+            )
 
     async def stat(self, argv: list[str]) -> tuple[int, str]:
         """``stat`` as the provider's own account: exit 1 names a path that does not exist, an answer."""

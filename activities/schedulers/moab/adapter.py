@@ -32,7 +32,14 @@ from datetime import UTC, datetime
 from decimal import Decimal
 from pathlib import Path
 
-from activities.schedulers.base import Accounting, ListedJob, NativeStatus, SubmitRequest, register
+from activities.schedulers.base import (
+    Accounting,
+    ListedJob,
+    NativeStatus,
+    SubmitRequest,
+    hold_back_taken,
+    register,
+)
 from activities.schedulers.batch.base import (
     Backoff,
     BatchSchedulerAdapter,
@@ -186,11 +193,7 @@ class MoabAdapter(BatchSchedulerAdapter):
     async def _account(self, tenant: str) -> str:
         """The account the tenant's job runs as; before the pool hands a tenant one, pool accounts no assignment
         explains but MOAB lists jobs of are held back (as on SLURM: ``SlurmAdapter._account``)."""
-        if await asyncio.to_thread(self.tenants.needs_assignment, tenant):
-            free = await asyncio.to_thread(self.tenants.unassigned_pool)
-            if free:
-                in_use = await self.backend.users_with_jobs(free)
-                self.tenants.hold_back(in_use, cluster_id=self.cluster_id)
+        await hold_back_taken(self, self.tenants, tenant, cluster_id=self.cluster_id)
         return await asyncio.to_thread(self.tenants.account_for, tenant, submit_account=self.backend.user)
 
     async def accounts_in_use(self, accounts: Sequence[str]) -> dict[str, str]:

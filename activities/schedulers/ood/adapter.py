@@ -21,7 +21,7 @@ import asyncio
 import importlib
 import logging
 from collections import defaultdict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 
 from activities.schedulers.base import (
     Accounting,
@@ -29,6 +29,7 @@ from activities.schedulers.base import (
     SchedulerAdapter,
     SubmitRequest,
     SubmitResult,
+    hold_back_taken,
     register,
     registered,
 )
@@ -179,6 +180,8 @@ class OODAdapter(SchedulerAdapter):
     async def submit(
         self, request: SubmitRequest, *, on_submitted: Callable[[str], None] | None = None
     ) -> SubmitResult:
+        # As on SLURM and MOAB: an unassigned pool account the scheduler shows jobs of is never handed out.
+        await hold_back_taken(self, self.tenants, request.job.tenant, cluster_id=self.cluster_id)
         user = await asyncio.to_thread(self.user_of, request.job.tenant)
         await self.oidc.authorize(user)
         suffix = "/session" if request.job.template_id == SESSION_TEMPLATE else ""
@@ -236,6 +239,23 @@ class OODAdapter(SchedulerAdapter):
             elif job is not None:
                 hits.append(f"{user}/{job}")
         return hits[0] if hits else None
+
+    async def accounts_in_use(self, accounts: Sequence[str]) -> dict[str, str]:
+        """Which of ``accounts`` the scheduler shows jobs of, asked as OOD's Active Jobs app asks: each user's
+        jobs through the underlying scheduler as that user (live, and on MOAB completed). A user this worker
+        cannot log in as is skipped (logged): no job of this provider can run as it either."""
+        answers = await asyncio.gather(
+            *(self.adapter_for(a).accounts_in_use([a]) for a in accounts), return_exceptions=True
+        )
+        found: dict[str, str] = {}
+        for account, answer in zip(accounts, answers, strict=True):
+            if isinstance(answer, SecurityError):
+                log.warning("jobs of cluster user %s: cannot ask as that user: %s", account, answer)
+            elif isinstance(answer, BaseException):
+                raise answer
+            else:
+                found.update(answer)
+        return found
 
     async def status_batch(self, scheduler_job_ids: Iterable[str]) -> dict[str, NativeStatus]:
         out: dict[str, NativeStatus] = {}

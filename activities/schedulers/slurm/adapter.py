@@ -42,7 +42,14 @@ from datetime import UTC, datetime
 from decimal import Decimal
 from pathlib import Path
 
-from activities.schedulers.base import Accounting, ListedJob, NativeStatus, SubmitRequest, register
+from activities.schedulers.base import (
+    Accounting,
+    ListedJob,
+    NativeStatus,
+    SubmitRequest,
+    hold_back_taken,
+    register,
+)
 from activities.schedulers.batch.workdir import local_tenant_dirs
 from activities.schedulers.slurm import parsers as p
 from activities.schedulers.slurm.backends import (
@@ -274,16 +281,23 @@ class SlurmAdapter(BatchSchedulerAdapter):
 
         Before the pool hands a tenant its account, the cluster is asked whether any still unassigned pool
         account has jobs: such an account is some tenant's in an assignments file this one does not know (lost
-        and recreated, or another host's own), and is never handed out here."""
-        if await asyncio.to_thread(self.tenants.needs_assignment, tenant):
-            free = await asyncio.to_thread(self.tenants.unassigned_pool)
-            if free:
-                in_use = await self.backend.users_with_jobs(free)
-                self.tenants.hold_back(in_use, cluster_id=self.cluster_id)
+        and recreated, or another host's own), and is never handed out here; nor is one whose job directory
+        holds files (``hold_back_taken``)."""
+        await hold_back_taken(self, self.tenants, tenant, cluster_id=self.cluster_id)
         return await asyncio.to_thread(self.tenants.account_for, tenant, submit_account=self.backend.user)
 
     async def accounts_in_use(self, accounts: Sequence[str]) -> dict[str, str]:
         return await self.backend.users_with_jobs(list(accounts))
+
+    async def account_files(self, account: str) -> list[str] | None:
+        if self.config.work_dir is None or not self.tenants.isolated:
+            return None
+        return await self.backend.account_files(str(self.config.work_dir), account)
+
+    async def remove_account_files(self, account: str) -> None:
+        if self.config.work_dir is None or not self.tenants.isolated:
+            await super().remove_account_files(account)
+        await self.backend.remove_account_files(str(self.config.work_dir), account)
 
     @property
     def calls(self) -> dict[str, int]:

@@ -118,6 +118,14 @@ class SlurmBackend(abc.ABC):
         see the file system (``CliBackend``); slurmrestd and pyslurm cannot: the operator makes it."""
         return f"{work_dir.rstrip('/')}/{account}"
 
+    async def account_files(self, work_dir: str, account: str) -> list[str] | None:
+        """What ``account`` left in ``<work_dir>/<account>`` (``SchedulerAdapter.account_files``); None here:
+        slurmrestd and pyslurm give no view of the file system."""
+        return None
+
+    async def remove_account_files(self, work_dir: str, account: str) -> None:
+        raise SchedulerError(f"{self.description} cannot remove {account}'s files", transient=False)
+
     @abc.abstractmethod
     async def queue(self, job_ids: Sequence[str]) -> list[p.QueueJob]:
         """The controller's view of these jobs, in one query (purged or unknown ids are simply absent)."""
@@ -346,6 +354,12 @@ class CliBackend(SlurmBackend):
             if self.executors.dirs.verified(path) is not None:
                 return path
         return await self.executors.tenant_dir(work_dir, account)
+
+    async def account_files(self, work_dir: str, account: str) -> list[str] | None:
+        return await self.executors.account_files(work_dir, account)
+
+    async def remove_account_files(self, work_dir: str, account: str) -> None:
+        await self.executors.remove_account_files(work_dir, account)
 
     async def queue_by_names(self, names: Sequence[str]) -> list[p.QueueJob]:
         users = ",".join(self.lookup_users)

@@ -150,6 +150,9 @@ class AccountRunner:
     ``runuser`` (root, through PAM) or ``sudo -n`` (an unprivileged worker with a sudoers rule). The argv is a list:
     no shell ever sees the account name or a job's field."""
 
+    #: No login shell runs: the account's own startup files (its tenant's to write) never see the commands.
+    reads_startup_files = False
+
     def __init__(self, runner: LocalRunner, account: str, how: str) -> None:
         self.runner = runner
         self.account = account
