@@ -41,6 +41,7 @@ import tempfile
 import time
 import uuid
 from dataclasses import dataclass
+from datetime import timedelta
 from decimal import Decimal
 from pathlib import Path
 from typing import Any
@@ -198,6 +199,7 @@ class Figures:
     design: str
     jobs: int
     started_in: float
+    watched_in: float
     rpcs: dict[str, int]
     background: dict[str, int]
     window: float
@@ -369,6 +371,9 @@ async def run_design(
                 )
             await asyncio.sleep(5)
         started_in = time.monotonic() - started
+        if design.monitor:  # queued on chain is reported before the job registers with the monitor
+            await _until_watched(client, queue, design.jobs, started, args)
+        watched_in = time.monotonic() - started
         await asyncio.sleep(args.settle)
 
         cpu0 = sum(sum(p.cpu_times()[:2]) for p in procs)
@@ -386,6 +391,7 @@ async def run_design(
             design.name,
             design.jobs,
             started_in,
+            watched_in,
             _diff(after, before),
             background,
             window,
@@ -400,10 +406,38 @@ async def run_design(
         shutil.rmtree(base, ignore_errors=True)
 
 
+async def _until_watched(
+    client: Any, queue: str, jobs: int, started: float, args: argparse.Namespace
+) -> None:
+    """Until the cluster's monitor watches every job (its ``watched`` query), or the ramp's limits."""
+    from virtengine_hpc.messages import WatchedSet, monitor_workflow_id
+
+    watched, stuck = 0, 0.0
+    while True:
+        was = watched
+        try:
+            answer = await client.get_workflow_handle(monitor_workflow_id(queue)).query(
+                "watched", result_type=WatchedSet, rpc_timeout=timedelta(seconds=60)
+            )
+            watched = len(answer.entries)
+        except Exception as exc:  # a monitor busy or not started yet: asked again
+            print(f"  the monitor did not answer ({exc})", flush=True)
+        elapsed = time.monotonic() - started
+        print(f"  new: {watched}/{jobs} watched by the monitor after {elapsed:.0f} s", flush=True)
+        if watched >= jobs:
+            return
+        stuck = 0 if watched > was else stuck + 10
+        if stuck >= args.stall or elapsed >= args.ramp_limit:
+            raise DidNotGetThrough(
+                f"{watched} of {jobs} watched after {elapsed:.0f} s, none more for {stuck:.0f} s"
+            )
+        await asyncio.sleep(10)
+
+
 async def _clean_up(
     client: Any, ledger: Any, shell: dict[str, str], workers: list[Any], job_ids: list[str], queue: str
 ) -> None:
-    """Stop the workers, close every workflow of the run and cancel its held SLURM jobs."""
+    """Stop the workers, cancel the run's held SLURM jobs (first: the cluster is shared) and close its workflows."""
     from temporalio.service import RPCError
 
     from virtengine_hpc.messages import monitor_workflow_id
@@ -412,13 +446,18 @@ async def _clean_up(
         w.terminate()
     for w in workers:
         w.wait(timeout=60)
-    for workflow_id in [*job_ids, monitor_workflow_id(queue)]:
-        with contextlib.suppress(RPCError):  # never started, or already closed
-            await client.get_workflow_handle(workflow_id).terminate("benchmark over")
     held = [j.scheduler_job_id for j in map(ledger.job, job_ids) if j is not None and j.scheduler_job_id]
     for chunk in range(0, len(held), 500):
         subprocess.run(["scancel", *held[chunk : chunk + 500]], env=shell, check=False, timeout=120)
     cancel_run_jobs(shell)
+    room = asyncio.Semaphore(32)
+
+    async def terminate(workflow_id: str) -> None:
+        async with room:
+            with contextlib.suppress(RPCError):  # never started, or already closed
+                await client.get_workflow_handle(workflow_id).terminate("benchmark over")
+
+    await asyncio.gather(*(terminate(w) for w in [*job_ids, monitor_workflow_id(queue)]))
 
 
 def cancel_run_jobs(shell: dict[str, str]) -> int:
@@ -465,6 +504,7 @@ def report(figures: list[Figures], failed: dict[str, str], args: argparse.Namesp
 
     ours = f"user:{QUERY_USER}"
     row("held jobs watched (N)", [str(f.jobs) for f in figures])
+    row("time to N watched (s)", [f"{f.watched_in:.0f}" for f in figures])
     row("time to N queued (s)", [f"{f.started_in:.0f}" for f in figures])
     row(f"workers' squeue RPCs in the window ({QUERY_USER})", [str(f.rpcs[ours]) for f in figures])
     row(
