@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 from temporalio import activity
 from temporalio.client import Client
+from temporalio.common import Priority
 from temporalio.exceptions import ApplicationError
 from temporalio.service import RPCError, RPCStatusCode
 
@@ -57,6 +58,10 @@ BUSY_RETRIES = 6
 """Tries of a registration that Temporal refuses as busy or that times out, before the caller's activity fails."""
 BUSY_BACKOFF_SECONDS = 0.5
 """Wait before the second try, doubled for each one after (with jitter: ~16 s over all the tries)."""
+MONITOR_PRIORITY = 1
+"""The monitor's Temporal priority key (1 is the highest, jobs run at the default 3): its workflow tasks and its
+rounds share the cluster task queue with every job's, and during a ramp of 10,000 jobs its next workflow task waited
+behind theirs for more than ten minutes (no round, no job told of anything, registrations piling up)."""
 _BUSY = frozenset(
     {RPCStatusCode.RESOURCE_EXHAUSTED, RPCStatusCode.DEADLINE_EXCEEDED, RPCStatusCode.CANCELLED}
 )
@@ -248,6 +253,7 @@ async def _register_once(client: Client, registration: WatchRegistration) -> Non
         task_queue=settings.task_queue,
         start_signal="watch",
         start_signal_args=[registration],
+        priority=Priority(priority_key=MONITOR_PRIORITY),
     )
 
 

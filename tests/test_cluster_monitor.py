@@ -23,7 +23,7 @@ from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.service import RPCError, RPCStatusCode
 
 from activities import monitor as monitor_activities
-from activities.monitor import BUSY_RETRIES, REGISTRATIONS_IN_FLIGHT, register
+from activities.monitor import BUSY_RETRIES, MONITOR_PRIORITY, REGISTRATIONS_IN_FLIGHT, register
 from activities.schedulers.base import NativeStatus
 from tests.conftest import make_config
 from tests.memory_adapter import MemoryAdapter, Script
@@ -353,3 +353,30 @@ async def test_a_registration_refused_as_busy_is_sent_again(
         assert await _watch_signals(client, task_queue) == ["job-1"]
     finally:
         await client.get_workflow_handle(monitor_workflow_id(task_queue)).terminate("test over")
+
+
+async def test_the_monitor_runs_ahead_of_the_jobs_on_their_task_queue(two_workers: Pipeline) -> None:
+    """The monitor shares the cluster's task queue with every job: during a ramp of 10,000 jobs its next workflow
+    task waited behind theirs for more than ten minutes, with no round and no job told of anything. A monitor
+    started by a job's registration runs at Temporal priority key ``MONITOR_PRIORITY`` (its workflow tasks and
+    rounds go before the jobs' tasks, at the default 3), and so does its next run after continue-as-new."""
+    p = two_workers
+    settings = MonitorSettings(
+        cluster_id=p.cluster_id,
+        task_queue=p.task_queue,
+        poll_interval_seconds=0.3,
+        vanished_grace_seconds=600,
+        max_history_events=100,
+    )
+    entry = WatchEntry(scheduler_job_id="4242", state=Q)
+    await register(p.client, WatchRegistration(workflow_id="job-x", monitor=settings, entry=entry))
+    handle = p.client.get_workflow_handle(monitor_workflow_id(p.task_queue))
+    try:
+        first = await handle.describe()
+        assert first.raw_description.workflow_execution_info.priority.priority_key == MONITOR_PRIORITY
+        async with asyncio.timeout(60):
+            while (later := await handle.describe()).run_id == first.run_id:
+                await asyncio.sleep(0.5)
+        assert later.raw_description.workflow_execution_info.priority.priority_key == MONITOR_PRIORITY
+    finally:
+        await handle.terminate("test over")
