@@ -48,6 +48,7 @@ from virtengine_hpc.errors import (
     ValidationError,
 )
 from virtengine_hpc.messages import (
+    CANCELLED_BEFORE_START,
     CancelInput,
     FindInput,
     FindOutput,
@@ -665,6 +666,13 @@ class JobActivities:
             self.audit.record(
                 "job_lifecycle_event", job_id=request.job_id, cluster_id=request.cluster_id, details=details
             )
+            if _cancelled_unsubmitted(request):
+                self.audit.record(
+                    "job_cancelled",
+                    job_id=request.job_id,
+                    cluster_id=request.cluster_id,
+                    details={"scheduler_job_id": None, "reason": request.message},
+                )
         try:
             await self.chain.report_status(
                 StatusReport(
@@ -949,3 +957,14 @@ def _check_bounds(job: JobSpec, max_nodes: int, max_runtime_seconds: int) -> Non
 
 
 __all__ = ["BodyResolver", "JobActivities", "ResolvedBody", "script_only_body", "to_application_error"]
+
+
+def _cancelled_unsubmitted(request: TransitionInput) -> bool:
+    """A cancel that ends a job which never had a scheduler job: no ``cancel_job`` ran to audit it, so its close
+    does; except the poller's start of a job its tenant cancelled before any workflow ran, which the poller
+    audited when it started it (``CANCELLED_BEFORE_START``)."""
+    return (
+        request.new_state == JobState.CANCELLED
+        and request.scheduler_job_id is None
+        and request.message != CANCELLED_BEFORE_START
+    )

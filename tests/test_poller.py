@@ -86,6 +86,31 @@ def sample(metrics: WorkerMetrics, name: str, **labels: str) -> float:
 # ---- tenant cancellations --------------------------------------------------------------------------------------
 
 
+async def test_a_tenant_cancel_that_reaches_a_workflow_before_it_submitted_is_audited_once(
+    pipe: Pipeline, client: Client
+) -> None:
+    """The poller started the job's workflow and the tenant cancels before it submitted anything (here no worker
+    has run it yet): the cancel reaches the running workflow as a signal and the job ends cancelled without a
+    scheduler job. That writes one ``job_cancelled`` record with the tenant's reason, as every other cancel does
+    (before: only ``job_lifecycle_event`` and ``status_reported``)."""
+    queue = idle_queue()
+    job_id = pipe.submit()
+    assert (await poller(pipe, client, queue).poll_once()).started == [job_id]
+    pipe.ledger.request_cancel(job_id)
+    assert (await poller(pipe, client, queue).poll_once()).cancelled == [job_id]
+    assert pipe.audit_events("job_cancelled", job_id) == [], "signalled: the workflow closes the job"
+    async with make_worker(client, pipe.deps, queue=queue):
+        result = await client.get_workflow_handle(job_id, result_type=JobResult).result()
+    assert result.state == JobState.CANCELLED and result.scheduler_job_id is None
+    assert isinstance(pipe.adapter, MemoryAdapter) and pipe.adapter.submits == 0, (
+        "nothing reached the scheduler"
+    )
+    records = pipe.audit_events("job_cancelled", job_id)
+    assert [(r["details"]["reason"], r["details"]["scheduler_job_id"]) for r in records] == [
+        ("cancelled by the tenant on chain", None)
+    ]
+
+
 async def test_a_cancel_signal_that_fails_for_another_reason_than_not_found_leaves_the_chain_alone(
     pipe: Pipeline, client: Client
 ) -> None:

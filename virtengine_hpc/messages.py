@@ -269,8 +269,14 @@ class JobStatusView(Model):
     parked: str | None = Field(None, description="Why the job waits for an operator, if it does.")
 
 
+#: The reason the poller starts a job's workflow with when its tenant cancelled it before any workflow ran (the
+#: cancel rides in the start). The poller audits ``job_cancelled`` for that start itself, so the workflow's close
+#: of the never-submitted job does not audit it again (``report_transition``).
+CANCELLED_BEFORE_START = "cancelled by the tenant"
+
+
 class CancelRequest(Model):
-    reason: str = Field("cancelled by the tenant", max_length=512)
+    reason: str = Field(CANCELLED_BEFORE_START, max_length=512)
 
 
 class RetryRequest(Model):

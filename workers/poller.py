@@ -60,6 +60,7 @@ from activities.chain.client import ChainClient, ChainJob, StatusReport
 from virtengine_hpc.config import Config
 from virtengine_hpc.errors import HPCError
 from virtengine_hpc.messages import (
+    CANCELLED_BEFORE_START,
     JOB_WORKFLOW_NAME,
     WORKFLOW_INPUT_BUDGET,
     CancelRequest,
@@ -635,7 +636,7 @@ class ChainPoller:
         if inp is None:
             return True  # refused on chain (failed, refunded)
         try:
-            started = await self._start_workflow(inp, cancel=CancelRequest(reason="cancelled by the tenant"))
+            started = await self._start_workflow(inp, cancel=CancelRequest(reason=CANCELLED_BEFORE_START))
         except WorkflowAlreadyStartedError:
             return False  # a run closed meanwhile: the reconciler's case, next round
         if not started:
