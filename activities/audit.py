@@ -27,7 +27,7 @@ import logging
 import os
 import re
 import threading
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from enum import StrEnum
@@ -279,6 +279,39 @@ def read_events(path: str | os.PathLike[str]) -> Iterator[dict[str, Any]]:
         for line in handle:
             if line.strip():
                 yield json.loads(line)
+
+
+def events_since(
+    path: str | os.PathLike[str], since: datetime, event_types: Collection[str], *, block: int = 1 << 16
+) -> list[dict[str, Any]]:
+    """The events of these types appended at or after ``since``, newest first: the log is read backwards from its
+    end and only as far as ``since`` (lines are appended in time order), so the cost follows the span asked for,
+    not the log's size. A missing log has none."""
+    out: list[dict[str, Any]] = []
+    try:
+        handle = open(path, "rb")  # noqa: SIM115
+    except FileNotFoundError:
+        return out
+    with handle:
+        pos = handle.seek(0, os.SEEK_END)
+        tail = b""
+        while pos > 0:
+            step = min(block, pos)
+            pos -= step
+            handle.seek(pos)
+            lines = (handle.read(step) + tail).split(b"\n")
+            tail = lines.pop(0) if pos > 0 else b""  # may be cut: completed by the next block
+            for line in reversed(lines):
+                try:
+                    entry = json.loads(line)
+                    at = datetime.fromisoformat(entry["timestamp"])
+                except (ValueError, KeyError, TypeError):
+                    continue  # blank, or cut short by a crash: audit verify reports it, this reads on
+                if at < since:
+                    return out
+                if entry.get("event_type") in event_types:
+                    out.append(entry)
+    return out
 
 
 def verify_log(path: str | os.PathLike[str]) -> VerifyResult:

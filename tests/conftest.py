@@ -86,6 +86,9 @@ def make_config(tmp_path: Path, **sections: Any) -> Config:
                 "vanished_job_grace": "2s",
                 # A worker killed by a test is taken over quickly; production waits longer (loaded workers).
                 "activity_heartbeat_timeout": "10s",
+                # The shared SLURM cluster holds thousands of other runs' tenant jobs that ended within a day: a
+                # poller's first sweep round reads back only as far as a test asks.
+                "sweep_lookback": "1s",
             },
             "usage_reporting": {"report_interval": "2s"},
             "retry": {"max_retries": 2, "initial_backoff": "100ms", "max_backoff": "500ms"},

@@ -9,11 +9,20 @@ import subprocess
 import sys
 import textwrap
 from collections.abc import Callable
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
 
-from activities.audit import GENESIS_HASH, AuditLog, _line_hash, anchor_block, anchor_path, verify_log
+from activities.audit import (
+    GENESIS_HASH,
+    AuditLog,
+    _line_hash,
+    anchor_block,
+    anchor_path,
+    events_since,
+    verify_log,
+)
 from activities.chain.local_ledger import LocalLedger
 from virtengine_hpc.cli import main as cli_main
 from virtengine_hpc.config import AuditConfig
@@ -292,3 +301,24 @@ def test_audit_show_skips_a_garbled_line_with_a_warning(log: Path, cli: Cli) -> 
     code, out, err = cli("audit", "show", "--tail", "2")
     assert code == 0 and len(out.splitlines()) == 2
     assert "line 9 is not JSON" in err
+
+
+def test_events_since_reads_back_only_as_far_as_asked(tmp_path: Path) -> None:
+    """A poller's first sweep round asks the log which jobs earlier pollers already audited: the log is read from
+    its end back to the instant asked for (its size does not matter), newest first, and a line a crash cut short
+    is skipped rather than failing the read."""
+    audit = AuditLog(AuditConfig(log_path=tmp_path / "audit.log"))
+    start = datetime(2026, 12, 1, tzinfo=UTC)
+    for minute in range(3000):
+        audit.record(
+            "unowned_job_found" if minute % 2 else "job_submitted",
+            details={"scheduler_job_id": str(minute)},
+            timestamp=start + timedelta(minutes=minute),
+        )
+    with open(tmp_path / "audit.log", "ab") as handle:
+        handle.write(b'{"timestamp": "2026-12-04T')  # the last append, cut short
+
+    found = events_since(tmp_path / "audit.log", start + timedelta(minutes=2994), ["unowned_job_found"])
+
+    assert [e["details"]["scheduler_job_id"] for e in found] == ["2999", "2997", "2995"]
+    assert events_since(tmp_path / "missing.log", start, ["unowned_job_found"]) == []

@@ -510,6 +510,41 @@ async def test_the_sweep_cancels_a_job_a_tenant_submitted_itself_and_leaves_the_
     await moab.cancel(own.scheduler_job_id)
 
 
+async def test_the_sweep_audits_a_job_a_tenant_ran_between_two_rounds(
+    moab: MoabAdapter, cluster: ms.MoabCluster, client: Client, tmp_path: Path
+) -> None:
+    """Bob's job runs ``msub`` as Bob's account right after a round, and the job ends before the next: it was
+    never live at a round. The next round finds it in MOAB's completed queue (``showq -c --xml``, or the MWS
+    jobs, which keep completed ones) and audits it once under Bob's account and tenant, with its run time and
+    what it held; it ran unbilled."""
+    bob = cluster.tenant_users[1]
+    config = cluster.config(tmp_path, "ssh")
+    sweeper = JobSweep(client, LocalLedger.from_config(config), moab, config, AuditLog(config.hpc.audit))
+    await sweeper.sweep_once()
+    bob_user = pwd.getpwnam(bob)
+    answer = cluster.moab.handle(
+        bob_user.pw_uid, bob_user.pw_gid, "msub", ["-N", "between", "-l", "nodes=1:ppn=2"], "sleep 1\n"
+    )
+    free = answer["stdout"].strip()
+    assert free.startswith("Moab."), answer
+    for _ in range(300):
+        if cluster.moab.jobs[free].ended:
+            break
+        await asyncio.sleep(0.1)
+    assert cluster.moab.jobs[free].state == "Completed"
+
+    first, second = await sweeper.sweep_once(), await sweeper.sweep_once()
+
+    assert first.ran == [free] and not second.ran, (first, second)
+    audited = [
+        e for e in read_events(config.hpc.audit.log_path) if e["details"].get("scheduler_job_id") == free
+    ]
+    assert [e["event_type"] for e in audited] == ["unowned_job_found"], audited
+    details = audited[0]["details"]
+    assert details["ended"] is True and details["account"] == bob and details["tenant"] == ms.BOB
+    assert details["elapsed_seconds"] >= 1 and details["allocated"] == {"cpus": 2, "nodes": 1}
+
+
 async def test_a_pool_account_moab_lists_jobs_of_is_never_handed_to_a_new_tenant(
     cluster: ms.MoabCluster, tmp_path: Path
 ) -> None:

@@ -20,6 +20,7 @@ import os
 import subprocess
 import uuid
 from collections.abc import AsyncIterator
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -229,7 +230,9 @@ async def test_a_late_duplicate_is_cancelled_by_one_sweep_and_the_workflows_job_
     calls = {k: v - before.get(k, 0) for k, v in calls_of(sweeper).items() if v != before.get(k, 0)}
 
     assert stats.duplicates == [zombie] and stats.unowned == []
-    assert calls == {"squeue": 1, "scancel": 1}, "one listing for the whole cluster, one cancel"
+    assert calls == {"squeue": 1, "sacct": 1, "scancel": 1}, (
+        "one listing for the whole cluster, one read of the jobs that ended, one cancel"
+    )
     assert (await sc.wait_final(slurm(pipe), zombie)).state == JobState.CANCELLED
     [audited] = swept(pipe, "duplicate_job_cancelled")
     assert audited["scheduler_job_id"] == zombie and audited["kept"] == own and audited["kind"] == "duplicate"
@@ -263,7 +266,8 @@ async def test_report_only_leaves_the_job_running_and_audits_it(
     stats = await sweep(pipe, env, reporting(pipe.config)).sweep_once()
 
     assert stats.duplicates == [zombie]
-    [audited] = swept(pipe, "unowned_job_found")
+    # (other runs' jobs of the tenants' accounts on the shared cluster are reported too: only this one matters)
+    [audited] = [d for d in swept(pipe, "unowned_job_found") if d["kind"] == "duplicate"]
     assert audited["scheduler_job_id"] == zombie and audited["kept"] == own
     status = (await slurm(pipe).status_batch([zombie]))[zombie]
     assert status.found and not status.state.final, "reported, not cancelled"
@@ -350,9 +354,7 @@ async def test_a_job_its_open_workflow_names_is_left_alone_even_under_another_ma
     stats = await sweep(pipe, env, secrets=other_key).sweep_once()
 
     assert stats.unmarked == [] and stats.left >= 1
-    assert not [
-        e for e in read_events(pipe.config.hpc.audit.log_path) if e["event_type"].startswith("unowned")
-    ]
+    assert not [e for e in audited_about(pipe, own) if e["event_type"].startswith("unowned")]
     await still_its_own(pipe, job_id, own)
 
 
@@ -395,33 +397,25 @@ def over(config: Config, env: dict[str, Any], transport: str) -> Config:
     return config.model_copy(update={"hpc": config.hpc.model_copy(update={"slurm": section})})
 
 
-@pytest.mark.parametrize("transport", ["cli", "rest"])
-async def test_a_tenants_job_that_ran_between_two_rounds_is_audited(
-    pipe: Pipeline, env: dict[str, Any], transport: str
-) -> None:
-    """A tenant's script times its own jobs between two rounds (a held canary it watches vanishes when a round
-    ran): a job that starts after one round and ends before the next is never live at a round. The provider
-    must still learn of it: the next round audits it under the account and tenant, once."""
-    alice = sc.account_of(env, TENANT)
-    sweeper = sweep(pipe, env, over(pipe.config, env, transport))
-    await sweeper.sweep_once()
+async def tenant_job_that_ran(p: Pipeline, env: dict[str, Any], account: str, label: str) -> str:
+    """A short job a tenant's script submits itself as its account, run to its end and recorded by slurmdbd."""
     out = subprocess.run(
         [
-            "runuser", "-u", alice, "--", "sbatch", "--parsable", "-t", "1",
-            "-J", sc.workflow_id(SCOPE + "between"), "-o", "/dev/null", "--wrap", "sleep 2",
+            "runuser", "-u", account, "--", "sbatch", "--parsable", "-t", "1",
+            "-J", sc.workflow_id(SCOPE + label), "-o", "/dev/null", "--wrap", "sleep 2",
         ],
         env={**os.environ, "SLURM_CONF": env["slurm_conf"]},
         capture_output=True, text=True, check=True,
     )  # fmt: skip
     free = out.stdout.strip().split(";")[0]
-    assert (await sc.wait_final(slurm(pipe), free, timeout=300)).state == JobState.COMPLETED
+    assert (await sc.wait_final(slurm(p), free, timeout=300)).state == JobState.COMPLETED
     ended = [
         "sacct",
         "-X",
         "-n",
         "-P",
         "-u",
-        alice,
+        account,
         "-S",
         "now-600",
         "-E",
@@ -433,16 +427,64 @@ async def test_a_tenants_job_that_ran_between_two_rounds_is_audited(
     ]
     while free not in sc.slurm_command(env, ended).split():
         await asyncio.sleep(0.5)  # slurmdbd records the end a moment after the controller
+    return free
+
+
+def audited_about(p: Pipeline, scheduler_job_id: str) -> list[dict[str, Any]]:
+    return [
+        e
+        for e in read_events(p.config.hpc.audit.log_path)
+        if e["details"].get("scheduler_job_id") == scheduler_job_id
+    ]
+
+
+@pytest.mark.parametrize("transport", ["cli", "rest"])
+async def test_a_tenants_job_that_ran_between_two_rounds_is_audited(
+    pipe: Pipeline, env: dict[str, Any], transport: str
+) -> None:
+    """A tenant's script times its own jobs between two rounds (a held canary it watches vanishes when a round
+    ran): a job that starts after one round and ends before the next is never live at a round. The provider
+    must still learn of it: the next round audits it under the account and tenant, once, with what it held."""
+    alice = sc.account_of(env, TENANT)
+    sweeper = sweep(pipe, env, over(pipe.config, env, transport))
+    await sweeper.sweep_once()
+    free = await tenant_job_that_ran(pipe, env, alice, "between")
 
     first, second = await sweeper.sweep_once(), await sweeper.sweep_once()
 
     assert free not in first.unmarked + second.unmarked, "it ended: nothing is left to cancel"
-    audited = [
-        e for e in read_events(pipe.config.hpc.audit.log_path) if e["details"].get("scheduler_job_id") == free
-    ]
+    audited = audited_about(pipe, free)
     assert len(audited) == 1, f"the provider never learns of tenant job {free} that ran unbilled: {audited}"
     details = audited[0]["details"]
     assert details["account"] == alice and details["tenant"] == TENANT and details["kind"] == "unmarked"
+    assert details["ended"] is True and details["elapsed_seconds"] >= 1
+    assert details["allocated"]["cpus"] >= 1 and details["allocated"]["nodes"] == 1
+
+
+async def test_a_job_that_ran_while_no_poller_swept_is_audited_once_by_the_next_pollers_first_round(
+    pipe: Pipeline, env: dict[str, Any]
+) -> None:
+    """The poller restarts (a deploy, a crash): a tenant's job that ran and ended after the last round of the old
+    poller and before the first of the new one was never live at a round. The new poller's first round reads back
+    to the old one's last round (kept in the state directory) and audits it; a poller started after that one
+    finds the record in the audit log and does not audit it again."""
+    alice = sc.account_of(env, TENANT)
+    job_service = pipe.config.hpc.job_service.model_copy(update={"sweep_lookback": timedelta(minutes=10)})
+    config = pipe.config.model_copy(
+        update={"hpc": pipe.config.hpc.model_copy(update={"job_service": job_service})}
+    )
+    await sweep(pipe, env, config).sweep_once()  # the old poller's last round
+    free = await tenant_job_that_ran(pipe, env, alice, "restart")
+
+    stats = await sweep(pipe, env, config).sweep_once()  # the new poller's first round
+
+    assert free in stats.ran, (
+        f"the first round after a restart never reads tenant job {free} that ran meanwhile"
+    )
+    assert free not in (await sweep(pipe, env, config).sweep_once()).ran, "audited by the poller before it"
+    audited = audited_about(pipe, free)
+    assert len(audited) == 1, audited
+    assert audited[0]["event_type"] == "unowned_job_found" and audited[0]["details"]["account"] == alice
 
 
 @pytest.mark.parametrize("transport", ["cli", "rest"])

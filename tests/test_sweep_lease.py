@@ -13,6 +13,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -27,6 +28,7 @@ from virtengine_hpc.states import JobState
 from workers.intake_lease import IntakeLease
 from workers.metrics import WorkerMetrics
 from workers.poller import ChainPoller
+from workers.sweeper import ENDED_MARGIN, JobSweep
 from workers.wiring import job_settings
 from workers.worker import _sweep
 
@@ -117,3 +119,45 @@ async def test_of_two_pollers_only_the_lease_holder_sweeps_and_a_duplicate_is_ca
     )
     results = await pipe.run_until_done([job_id])
     assert results[job_id].scheduler_job_id == own, "the workflow's own job was left to it"
+
+
+@dataclass
+class EndedWindowScheduler(ListingScheduler):
+    """Records how far back each round asks for the tenants' accounts' jobs that ended."""
+
+    asked: list[int] | None = None
+
+    async def swept_ended(self, seconds: int) -> list[ListedJob]:
+        assert self.asked is not None
+        self.asked.append(seconds)
+        return []
+
+
+async def test_a_pollers_first_round_reads_ended_jobs_back_to_the_last_round_kept_at_most_sweep_lookback(
+    pipe: Pipeline,
+) -> None:
+    """A poller's first round reads the jobs that ended since the last round this host's pollers made (kept in
+    the state directory), so that what ran while no poller swept is found; never further back than
+    ``sweep_lookback``, and that far when no round is kept. Later rounds read since the round before (plus the
+    margin for accounting's lag)."""
+    job_service = pipe.config.hpc.job_service.model_copy(update={"sweep_lookback": timedelta(hours=1)})
+    config = pipe.config.model_copy(
+        update={"hpc": pipe.config.hpc.model_copy(update={"job_service": job_service})}
+    )
+    scheduler = EndedWindowScheduler(asked=[])
+    now = [1_800_000_000.0]
+
+    def poller_sweep() -> JobSweep:
+        return JobSweep(pipe.client, pipe.ledger, scheduler, config, pipe.deps.audit, clock=lambda: now[0])
+
+    margin = ENDED_MARGIN + 1
+    await poller_sweep().sweep_once()  # nothing kept: sweep_lookback back
+    first = poller_sweep()
+    now[0] += 600
+    await first.sweep_once()  # restarted 600 s later: back to the round kept
+    now[0] += 60
+    await first.sweep_once()  # its next round: since its first
+    now[0] += 7200
+    await poller_sweep().sweep_once()  # restarted after two hours: no further than sweep_lookback
+
+    assert scheduler.asked == [3600 + margin, 600 + margin, 60 + margin, 3600 + margin]

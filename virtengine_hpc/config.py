@@ -213,6 +213,14 @@ class JobServiceConfig(Section):
         "tenant submitted itself, which carries no valid marker (docs/operations.md). Null: no sweep. SLURM and "
         "MOAB (the others cannot list their jobs).",
     )
+    sweep_lookback: Duration = Field(
+        timedelta(hours=24),
+        gt=timedelta(0),
+        description="How far back a poller's first sweep round reads accounting for jobs of the tenants' "
+        "accounts that ran and ended unseen (before this poller started, while no poller swept): back to the "
+        "last round this host's pollers made (kept in the state directory), but never further than this; this "
+        "far when no such round is kept (a first start, a takeover on another host).",
+    )
     unowned_jobs: Literal["cancel", "report"] = Field(
         "cancel",
         description="What the sweep does with a job no workflow names: cancel it (audit duplicate_job_cancelled "

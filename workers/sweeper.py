@@ -25,8 +25,10 @@ not name is a finding, confirmed before anything is done:
   record names the account and tenant, never the workflow its name claims (anyone may write any name).
 * **unmarked, ended**: such a job that started after one round and ended before the next, never live at a round.
   Each round reads the tenants' accounts' jobs that ended since the previous round began from accounting
-  (``SchedulerAdapter.swept_ended``, one query) and audits those that ran, that no round listed and no open
-  workflow names (``unowned_job_found``, ``ended: true``): they ran unbilled, and the provider learns of them.
+  (``SchedulerAdapter.swept_ended``, one query) and audits those that ran, that no round listed and no run of a
+  workflow ever named (``unowned_job_found``, ``ended: true``): they ran unbilled, and the provider learns of
+  them. A poller's first round reads back to the last round this host's pollers made (``SweepCheckpoint``), at
+  most ``sweep_lookback``, and leaves out what the audit log shows an earlier poller already audited.
 
 What happens to a finding is ``hpc.job_service.unowned_jobs``: ``cancel`` (the default) cancels it and audits
 ``duplicate_job_cancelled`` or ``unowned_job_cancelled``; ``report`` only audits ``unowned_job_found``, once per
@@ -46,20 +48,25 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
+import os
 import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
 
 from temporalio.client import Client, WorkflowExecutionStatus
 from temporalio.service import RPCError, RPCStatusCode
 
-from activities.audit import AuditLog
+from activities.audit import AuditLog, events_since
 from activities.chain.client import ChainClient
 from activities.schedulers.base import ListedJob, SchedulerAdapter
 from virtengine_hpc.config import Config
 from virtengine_hpc.errors import HPCError
+from virtengine_hpc.files import PRIVATE_MODE
 from virtengine_hpc.messages import JOB_WORKFLOW_NAME
 from workers.intake_lease import IntakeLease
 from workers.metrics import WorkerMetrics
@@ -70,10 +77,43 @@ log = logging.getLogger(__name__)
 PAGE_SIZE = 200
 """Workflow ids looked up in one visibility query."""
 _SAFE_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
+SWEEP_EVENTS = ("unowned_job_found", "unowned_job_cancelled")
+"""The audit events of the sweep's findings on a tenant's account's job, which a poller's first round reads back."""
 ENDED_MARGIN = 120
 """Seconds the accounting read of ended jobs reaches back before the previous round began: slurmdbd records a
 job's end a moment after the controller (a job the previous round's read missed is in this one's), accounting
 times are whole seconds, and the controller's clock may differ from the poller's."""
+
+
+class SweepCheckpoint:
+    """When the last round of a cluster's sweep on this host read the ended jobs (a JSON file in the state
+    directory, 0600, replaced whole): a poller's first round reads back to it, so that what ran while no poller
+    swept (a restart, an outage) is found."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def last_round(self) -> float | None:
+        try:
+            kept = json.loads(self.path.read_text())
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError) as exc:
+            log.warning("cannot read the sweep's last round from %s: %s", self.path, exc)
+            return None
+        value = kept.get("last_round") if isinstance(kept, dict) else None
+        return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
+
+    def keep(self, when: float) -> None:
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            partial = self.path.with_name(self.path.name + ".partial")
+            fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, PRIVATE_MODE)
+            with os.fdopen(fd, "w") as handle:
+                handle.write(json.dumps({"last_round": when}))
+            os.replace(partial, self.path)
+        except OSError as exc:  # the next round tries again; a first round then reads back further
+            log.warning("cannot keep the sweep's last round in %s: %s", self.path, exc)
 
 
 @dataclass(frozen=True)
@@ -125,6 +165,8 @@ class JobSweep:
         job_service = config.hpc.job_service
         self.interval = job_service.sweep_interval.total_seconds() if job_service.sweep_interval else None
         self.cancel = job_service.unowned_jobs == "cancel"
+        self.lookback = job_service.sweep_lookback.total_seconds()
+        self.checkpoint = SweepCheckpoint(config.state_dir / f"sweep-{self.cluster_id}.json")
         self.rounds = 0  # rounds completed (tests wait on it)
         self._stopping: set[str] = set()  # cancelled by an earlier round, still ending (COMPLETING)
         self._reported: set[str] = set()  # reported (unowned_jobs: report) by an earlier round: audited once
@@ -197,12 +239,14 @@ class JobSweep:
     async def _check_ended(self, started: float, stats: SweepStats) -> None:
         """A job a tenant submits itself right after a round and that ends before the next was never live at a
         round: read from accounting since the previous round (plus ``ENDED_MARGIN``), every such job without a
-        valid marker that no open workflow names and no round listed is audited once (``unowned_job_found``,
-        ``ended: true``, with its run time): it ran unbilled and the provider learns of it."""
-        last = self._last_round
-        if last is None or not self._ended_listed:
-            self._last_round = started
+        valid marker that no run of the workflow its name claims named, and that no round listed, is audited once
+        (``unowned_job_found``, ``ended: true``, with its run time and allocation): it ran unbilled and the
+        provider learns of it. A poller's first round reads back to the last round this host's pollers made
+        (``SweepCheckpoint``), at most ``sweep_lookback``, and leaves out what the audit log already holds."""
+        if not self._ended_listed:
             return
+        first = self._last_round is None
+        last = self._last_round if self._last_round is not None else self._first_window_start(started)
         window = started - last + ENDED_MARGIN
         # A job listed live once is listed again every round while it runs: one that ended within the window
         # was last listed after started - 2 * window.
@@ -218,9 +262,11 @@ class JobSweep:
             for job in ended
             if job.workflow_id is None and not job.marked_elsewhere and job.scheduler_job_id not in self._seen
         ]
+        if first and ran:
+            ran = await self._not_yet_audited(ran, started)
         claims = sorted({c for c in (_claim(job) for job in ran) if c is not None})
-        named = await self._named(claims) if claims else {}
-        ran = [job for job in ran if not self._names(named.get(_claim(job) or "", Named(open=False)), job)]
+        watched = await self._ever_named(claims) if claims else set()
+        ran = [job for job in ran if (_claim(job), job.scheduler_job_id) not in watched]
         if ran:
             log.error(
                 "scheduler jobs %s on %s (accounts %s) ran and ended between two sweep rounds without a valid "
@@ -233,25 +279,70 @@ class JobSweep:
         for job in ran:
             self._seen[job.scheduler_job_id] = started
             stats.ran.append(job.scheduler_job_id)
-            self.audit.record(
-                "unowned_job_found",
-                job_id=None,
-                cluster_id=self.cluster_id,
-                details={
-                    "scheduler_job_id": job.scheduler_job_id,
-                    "kept": None,
-                    "kind": "unmarked",
-                    "ended": True,
-                    "elapsed_seconds": job.elapsed_seconds,
-                    "found_by": "sweep",
-                    "why": "it ran and ended between two sweep rounds as a tenant's account without a valid "
-                    "marker: no workflow watched or billed it",
-                    "account": job.user,
-                    "tenant": self.adapter.tenant_of(job.user) if job.user else None,
-                    "claims": _claim(job),
-                },
-            )
+            self._audit_ran(job)
         self._last_round = started
+        await asyncio.to_thread(self.checkpoint.keep, started)
+
+    def _first_window_start(self, started: float) -> float:
+        """Where a poller's first read of ended jobs begins: the last round kept for this cluster, or
+        ``sweep_lookback`` back when none is kept or it is older."""
+        kept = self.checkpoint.last_round()
+        floor = started - self.lookback
+        return floor if kept is None else min(started, max(kept, floor))
+
+    async def _not_yet_audited(self, jobs: list[ListedJob], started: float) -> list[ListedJob]:
+        """The jobs this host's audit log holds no sweep record of on this cluster: an earlier poller cancelled
+        or reported them (live or ended). Nothing can have audited a job before it was submitted, so the log is
+        read back only that far (at most twice ``sweep_lookback``)."""
+        submitted = [job.submitted_at.timestamp() for job in jobs if job.submitted_at is not None]
+        since = min([*submitted, started - self.lookback]) - ENDED_MARGIN
+        since = max(since, started - 2 * self.lookback)
+        events = await asyncio.to_thread(
+            events_since, self.audit.path, datetime.fromtimestamp(since, UTC), SWEEP_EVENTS
+        )
+        audited = {
+            str(e["details"].get("scheduler_job_id"))
+            for e in events
+            if e.get("cluster_id") == self.cluster_id and isinstance(e.get("details"), dict)
+        }
+        return [job for job in jobs if job.scheduler_job_id not in audited]
+
+    async def _ever_named(self, workflow_ids: list[str]) -> set[tuple[str, str]]:
+        """(workflow id, scheduler job) for every run, open or closed, of these workflows that named a job on this
+        cluster: a job some run named was watched and billed by it (a marker made under a key since rotated)."""
+        out: set[tuple[str, str]] = set()
+        safe = [w for w in workflow_ids if _SAFE_ID.fullmatch(w)]
+        for start in range(0, len(safe), PAGE_SIZE):
+            quoted = ", ".join(f"'{w}'" for w in safe[start : start + PAGE_SIZE])
+            query = f"WorkflowType = '{JOB_WORKFLOW_NAME}' AND WorkflowId IN ({quoted})"
+            async for execution in self.client.list_workflows(query):
+                attributes = execution.typed_search_attributes
+                named = attributes.get(SA_SCHEDULER_JOB)
+                if attributes.get(SA_CLUSTER) == self.cluster_id and named:
+                    out.add((execution.id, named))
+        return out
+
+    def _audit_ran(self, job: ListedJob) -> None:
+        allocated = job.allocated.model_dump(exclude_none=True) if job.allocated is not None else None
+        self.audit.record(
+            "unowned_job_found",
+            job_id=None,
+            cluster_id=self.cluster_id,
+            details={
+                "scheduler_job_id": job.scheduler_job_id,
+                "kept": None,
+                "kind": "unmarked",
+                "ended": True,
+                "elapsed_seconds": job.elapsed_seconds,
+                "allocated": allocated,
+                "found_by": "sweep",
+                "why": "it ran and ended between two sweep rounds as a tenant's account without a valid "
+                "marker: no workflow watched or billed it",
+                "account": job.user,
+                "tenant": self.adapter.tenant_of(job.user) if job.user else None,
+                "claims": _claim(job),
+            },
+        )
 
     async def _named(self, workflow_ids: list[str]) -> dict[str, Named]:
         """What each workflow's open run names, as visibility sees it (it lags: findings are confirmed)."""

@@ -34,7 +34,7 @@ from pydantic import Field
 
 from virtengine_hpc.config import Config, Secrets
 from virtengine_hpc.errors import SchedulerError
-from virtengine_hpc.metering import Reading
+from virtengine_hpc.metering import Allocated, Reading
 from virtengine_hpc.models import JobSpec, Model
 from virtengine_hpc.states import JobState
 
@@ -102,6 +102,12 @@ class ListedJob(Model):
     user: str = Field("", description="The account the scheduler says the job runs as.")
     elapsed_seconds: int | None = Field(
         None, description="How long it ran (jobs that ended: ``SchedulerAdapter.swept_ended``)."
+    )
+    submitted_at: datetime | None = Field(
+        None, description="When it was submitted (jobs that ended): nothing can have audited it before."
+    )
+    allocated: Allocated | None = Field(
+        None, description="What it held while it ran, as the scheduler recorded it (jobs that ended)."
     )
 
 

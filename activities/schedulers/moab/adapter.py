@@ -249,6 +249,25 @@ class MoabAdapter(BatchSchedulerAdapter):
                 out.append(listed)
         return out
 
+    async def swept_ended(self, seconds: int) -> list[ListedJob]:
+        """The tenants' accounts' jobs that started and that MOAB lists completed within ``seconds`` (one ``showq
+        -c --xml``, or one MWS query), each as the sweep judges it, with its run time and allocation."""
+        if not self.tenants.isolated:
+            return []
+        out: list[ListedJob] = []
+        for job in await self.backend.ended_since(seconds):
+            listed = self.listed(job.job_id, name=job.name, user=job.user, final=True)
+            if listed is None or not job.started:
+                continue  # cancelled before it started: it ran nothing
+            reading = self._reading(job, final=True)
+            update = {
+                "elapsed_seconds": int(reading.wall_clock_seconds),
+                "allocated": reading.allocated,
+                "submitted_at": job.submit_time,
+            }
+            out.append(listed.model_copy(update=update))
+        return out
+
     def _tenant_accounts(self) -> frozenset[str]:
         return self.tenants.accounts() if self.tenants.isolated else frozenset()
 

@@ -23,6 +23,7 @@ import re
 import ssl
 from collections import Counter
 from collections.abc import Callable, Sequence
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -101,6 +102,16 @@ class MoabBackend(abc.ABC):
     @abc.abstractmethod
     async def all_jobs(self) -> list[p.MoabJob]:
         """Every job MOAB still lists, live or completed."""
+
+    @abc.abstractmethod
+    async def completed(self) -> list[p.MoabJob]:
+        """The completed jobs of the accounts lookups search (``lookup_users``) that MOAB still lists (it keeps
+        them for ``JOBCPURGETIME``), in one query."""
+
+    async def ended_since(self, seconds: int) -> list[p.MoabJob]:
+        """The lookup accounts' jobs that MOAB lists completed with a completion time within ``seconds``."""
+        since = datetime.now(UTC) - timedelta(seconds=max(1, seconds))
+        return [job for job in await self.completed() if job.end_time is not None and job.end_time >= since]
 
     async def users_with_jobs(self, users: Sequence[str]) -> dict[str, str]:
         """Which of ``users`` have jobs MOAB still lists, live or completed (user -> what shows it)."""
@@ -224,6 +235,9 @@ class CliBackend(MoabBackend):
     async def all_jobs(self) -> list[p.MoabJob]:
         live, done = await asyncio.gather(self._showq(False), self._showq(True))
         return [*live, *done]
+
+    async def completed(self) -> list[p.MoabJob]:
+        return [job for job in await self._showq(True) if job.user in self.lookup_users]
 
     async def tenant_dir(self, work_dir: str, account: str) -> str:
         return await self.executors.tenant_dir(work_dir, account)
@@ -395,6 +409,11 @@ class MwsBackend(MoabBackend):
 
     async def all_jobs(self) -> list[p.MoabJob]:
         return await self._query({})
+
+    async def completed(self) -> list[p.MoabJob]:
+        return [
+            job for job in await self._query({}) if job.user in self.lookup_users and job.queue == "completed"
+        ]
 
     async def job(self, job_id: str) -> p.MoabJob | None:
         body = await self._request("GET job", "GET", f"/rest/jobs/{job_id}", missing_ok=True)

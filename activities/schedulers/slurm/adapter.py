@@ -443,7 +443,15 @@ class SlurmAdapter(BatchSchedulerAdapter):
         for job in await self.backend.ended_since(seconds):
             listed = self.listed(job.job_id, name=job.name, user=job.user, final=True)
             if listed is not None and job.elapsed_seconds > 0:
-                out.append(listed.model_copy(update={"elapsed_seconds": job.elapsed_seconds}))
+                out.append(
+                    listed.model_copy(
+                        update={
+                            "elapsed_seconds": job.elapsed_seconds,
+                            "allocated": _allocated(job.alloc_tres),
+                            "submitted_at": job.submit_time,
+                        }
+                    )
+                )
         return out
 
     def _tenant_accounts(self) -> frozenset[str]:

@@ -850,6 +850,9 @@ class PyslurmBackend(SlurmBackend):
     async def accounting_by_names(self, names: Sequence[str]) -> list[p.AcctJob]:
         return await self.sacct.accounting_by_names(names)
 
+    async def ended_since(self, seconds: int) -> list[p.AcctJob]:
+        return await self.sacct.ended_since(seconds)
+
     async def cancel(self, job_ids: Sequence[str]) -> None:
         for job_id in job_ids:
             try:
