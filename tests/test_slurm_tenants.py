@@ -24,6 +24,7 @@ import pytest
 import yaml
 from temporalio.client import Client
 
+from activities.audit import read_events
 from activities.schedulers.base import SubmitRequest, hold_back_taken
 from activities.schedulers.slurm import SlurmAdapter
 from activities.tenant_accounts import AssignmentStore
@@ -334,7 +335,13 @@ def test_release_refuses_an_account_whose_jobs_the_cluster_still_shows(
     AssignmentStore(tmp_path / "assignments.db").assign(x, TenantRules(pool=(account,)))
     path = tmp_path / "config.yaml"
     tenants = {"pool": [account], "assignments_path": str(tmp_path / "assignments.db")}
-    hpc = {"scheduler_type": "slurm", "cluster_id": "slurm-test", "slurm": sc.slurm_section(env, "cli")}
+    audit_log = tmp_path / "audit.log"
+    hpc = {
+        "scheduler_type": "slurm",
+        "cluster_id": "slurm-test",
+        "slurm": sc.slurm_section(env, "cli"),
+        "audit": {"log_path": str(audit_log)},
+    }
     path.write_text(yaml.safe_dump({"hpc": {**hpc, "tenants": tenants}}))
     monkeypatch.setenv("PROVIDER_MARKER_SECRET", sc.MARKER_SECRET)
     job = sc.slurm_command(
@@ -351,6 +358,13 @@ def test_release_refuses_an_account_whose_jobs_the_cluster_still_shows(
     assert main(["-c", str(path), "tenants", "release", x, "--force"]) == 0
     assert f"released {account} from tenant {x}" in capsys.readouterr().out
     assert AssignmentStore(tmp_path / "assignments.db").all() == {}
+    records = [(e["event_type"], e["details"]) for e in read_events(audit_log)]
+    assert [(kind, d["forced"]) for kind, d in records] == [
+        ("tenant_account_release_refused", False),
+        ("tenant_account_released", True),
+    ], "the refusal and the forced release are both on record"
+    who = pwd.getpwuid(os.getuid()).pw_name
+    assert all(d["tenant"] == x and d["account"] == account and d["released_by"] == who for _, d in records)
 
 
 def release(config: Path, tenant: str, *flags: str) -> int:
@@ -409,6 +423,7 @@ async def test_release_hands_a_pool_account_on_only_with_an_empty_job_directory(
         ("tenant_account_released", account, True),
     ]
     assert "results.txt" in events[0]["error_msg"] and events[0]["details"]["tenant"] == x
+    assert {e["details"]["released_by"] for e in events} == {pwd.getpwuid(os.getuid()).pw_name}, "who asked"
 
 
 async def test_a_pool_account_whose_job_directory_holds_files_is_never_handed_to_a_new_tenant(

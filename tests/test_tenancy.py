@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import multiprocessing
+import os
 import pwd
 import re
 from pathlib import Path
@@ -16,6 +17,7 @@ from typing import Any
 import pytest
 import yaml
 
+from activities.audit import read_events
 from activities.tenant_accounts import AssignmentStore, TenantAccounts
 from tests.local_support import running_as_root
 from virtengine_hpc.config import Config, load_config
@@ -327,8 +329,17 @@ def test_the_operator_releases_a_pool_assignment_to_move_its_account_to_another_
     )
     moved = {"accounts": {Z: "vehpc-t1"}, "pool": ["vehpc-t2"]}
     path = tmp_path / "config.yaml"
+    audit_log = tmp_path / "audit.log"
     path.write_text(
-        yaml.safe_dump({"hpc": {"job_service": {"state_store_path": str(tmp_path)}, "tenants": moved}})
+        yaml.safe_dump(
+            {
+                "hpc": {
+                    "job_service": {"state_store_path": str(tmp_path)},
+                    "tenants": moved,
+                    "audit": {"log_path": str(audit_log)},
+                }
+            }
+        )
     )
     assert main(["-c", str(path), "tenants", "list", "--json"]) == 0
     assert json.loads(capsys.readouterr().out) == [
@@ -338,6 +349,14 @@ def test_the_operator_releases_a_pool_assignment_to_move_its_account_to_another_
     assert main(["-c", str(path), "tenants", "release", X]) == 0
     assert f"released vehpc-t1 from tenant {X}" in capsys.readouterr().out
     assert main(["-c", str(path), "tenants", "release", X]) == 2, "nothing left to release: a clear error"
+    [released] = [e for e in read_events(audit_log) if e["event_type"] == "tenant_account_released"]
+    assert released["success"] is True and released["category"] == "security"
+    assert {k: released["details"][k] for k in ("tenant", "account", "forced", "released_by")} == {
+        "tenant": X,
+        "account": "vehpc-t1",
+        "forced": False,
+        "released_by": pwd.getpwuid(os.getuid()).pw_name,
+    }
     after = TenantAccounts.from_config(config(tmp_path, **moved))
     assert after.account_for(Z, submit_account=None) == "vehpc-t1"
     assert after.account_for(X, submit_account=None) == "vehpc-t2"

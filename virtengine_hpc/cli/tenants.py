@@ -12,13 +12,17 @@ the last tenant's outputs, which the next would read. ``--clean`` removes them f
 argv (once the tenant has its outputs); ``--keep-files`` releases it with them. Where no trustworthy view of the
 directory exists (SSH logins run the account's startup files, slurmrestd and MWS see no files) it refuses until
 the operator, having emptied the directory and reset the account's home on the cluster, passes ``--keep-files``.
-Every release and refusal is audited (``tenant_account_released``, ``tenant_account_release_refused``).
+Every release and refusal is audited (``tenant_account_released``, ``tenant_account_release_refused``), with who
+asked (the local account, the one that ran ``sudo``, the host).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import os
+import pwd
+import socket
 from typing import Any
 
 from activities.audit import AuditLog
@@ -86,7 +90,7 @@ def cmd_release(args: argparse.Namespace) -> int:
     if accounts.store is None or held is None:
         raise ConfigError(f"tenant {args.tenant} holds no pool account")
     audit = _audit_log(config)
-    details: dict[str, Any] = {"tenant": args.tenant, "account": held, "forced": args.force}
+    details: dict[str, Any] = {"tenant": args.tenant, "account": held, "forced": args.force, **_operator()}
     refusal, details["files_removed"] = asyncio.run(_refusal(config, args, held))
     if refusal is not None:
         audit.record(
@@ -103,6 +107,16 @@ def cmd_release(args: argparse.Namespace) -> int:
     audit.record("tenant_account_released", cluster_id=config.hpc.cluster_id, details=details)
     print(f"released {account} from tenant {args.tenant}")
     return 0
+
+
+def _operator() -> dict[str, str | None]:
+    """Who asks, for the audit record: the local account that runs the command, the one that ran ``sudo`` (if
+    any; as root may set it, it is what ``sudo`` said, not proof), and the host."""
+    return {
+        "released_by": pwd.getpwuid(os.getuid()).pw_name,
+        "sudo_user": os.environ.get("SUDO_USER"),
+        "host": socket.gethostname(),
+    }
 
 
 def _audit_log(config: Config) -> AuditLog:
