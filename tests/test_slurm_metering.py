@@ -256,6 +256,27 @@ async def test_a_job_cancelled_as_it_was_requeued_is_final_with_the_runs_account
     assert (await slurm.usage("2552")).final
 
 
+async def test_a_job_requeued_after_it_ended_is_read_with_the_run_it_had() -> None:
+    """Its owner requeued job 30477 after it had completed (6 s): Slurm rewrote that run's record (REQUEUED, no
+    start, 0 s) and held the job to run again; the rerun was cancelled while pending. The run held its allocation
+    for as long as its batch step ran: 6 s, not 0 (before, a job billed 6 s no longer reconciled with its
+    accounting, and one whose requeue came before its final reading was billed less than its records already
+    claimed)."""
+    usage = await adapter(GoldenBackend(golden("sacct_requeued_after_it_ended.txt"))).usage("30477")
+    assert usage.final and usage.reading.wall_clock_seconds == 6
+    assert meter(usage.reading, Resources(memory_mb_per_node=256)).metrics.cpu_core_seconds == 6
+    # The other shape Slurm rewrites it to (seen in tests/test_sweep.py): its start kept, its end moved to the
+    # requeue, 3 s after the run ended (9 s): still the 6 s the run held its allocation, never the 9.
+    lines = golden("sacct_requeued_after_it_ended.txt").splitlines()
+    lines[0] = (
+        lines[0]
+        .replace("|REQUEUED|0:0|0|", "|REQUEUED|0:0|9|")
+        .replace("|None|1796186726|", "|1796186717|1796186726|")
+    )
+    usage = await adapter(GoldenBackend("\n".join(lines) + "\n")).usage("30477")
+    assert usage.final and usage.reading.wall_clock_seconds == 6
+
+
 async def test_a_job_requeued_a_moment_ago_is_not_taken_for_ended() -> None:
     """The same accounting while the controller holds the job pending again: it runs again, nothing is final."""
     run_one = "\n".join(golden("sacct_requeued.txt").splitlines()[:3]) + "\n"

@@ -257,6 +257,48 @@ async def test_a_late_job_of_a_settled_job_is_cancelled_as_unowned(
     assert still.found and not still.state.final, "a job of a workflow the chain does not know is left alone"
 
 
+async def test_a_job_its_tenant_requeues_after_it_settled_is_cancelled_before_it_runs_again(
+    pipe: Pipeline, env: dict[str, Any]
+) -> None:
+    """Slurm requeues a batch job that has already ended while the controller still holds it (``MinJobAge``), and
+    the job's owner may ask for it: the job waits about two minutes and runs again under the same id, after its
+    workflow settled it, with nothing to watch or bill that run. The sweep cancels it while it waits. Slurm rewrote
+    the record of the run that ended (REQUEUED, no start, 0 s): the adapter still reads that run for its batch
+    step's time, so the job's accounting is what its records billed (before: 0 s against the 4 s billed)."""
+    job_id = pipe.submit(
+        job_id=sc.workflow_id(SCOPE + "rerun"),
+        script="#!/bin/bash\nsleep 4\n",
+        resources={"memory_mb_per_node": 256},
+    )
+    results = await pipe.run_until_done([job_id], timeout=300)
+    assert results[job_id].state == JobState.COMPLETED, results[job_id].message
+    own = results[job_id].scheduler_job_id or ""
+    requeue = ["runuser", "-u", sc.account_of(env), "--", "scontrol", "requeue", own]
+    out = subprocess.run(
+        requeue, env={**os.environ, "SLURM_CONF": env["slurm_conf"]}, capture_output=True, text=True
+    )
+    assert out.returncode == 0, out  # the tenant's own account may requeue its finished job
+    assert native_state(env, own) == "PENDING"
+
+    stats = await sweep(pipe, env).sweep_once()
+
+    assert stats.unowned == [own]
+    assert (await sc.wait_final(slurm(pipe), own)).state == JobState.CANCELLED
+    [audited] = swept(pipe, "unowned_job_cancelled")
+    assert audited["scheduler_job_id"] == own
+    runs = sc.slurm_command(
+        env, ["sacct", "--duplicates", "-X", "-P", "-n", "-j", own, "-o", "State,ElapsedRaw"]
+    )
+    assert [r.split("|")[0].split()[0] for r in runs.splitlines()] == ["REQUEUED", "CANCELLED"], runs
+    billed = sum(r.metrics.wall_clock_seconds for r in pipe.ledger.usage_records(job_id))
+    for _ in range(30):  # slurmdbd records the cancel a moment after the controller
+        usage = await slurm(pipe).usage(own)
+        if usage.final:
+            break
+        await asyncio.sleep(1)
+    assert usage.final and abs(usage.reading.wall_clock_seconds - billed) <= 1 and billed >= 4, (runs, billed)
+
+
 async def test_report_only_leaves_the_job_running_and_audits_it(
     pipe: Pipeline, env: dict[str, Any], tmp_path: Path
 ) -> None:

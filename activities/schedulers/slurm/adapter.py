@@ -838,10 +838,29 @@ def _run_reading(run: p.AcctJob, *, taken_at: datetime | None) -> Reading:
     steps = [_acct_step(s) for s in run.steps]
     if not steps and run.total_cpu_seconds is not None:
         steps = [Reading(cpu_time_seconds=run.total_cpu_seconds)]
-    reading = _job_reading(steps, Decimal(run.elapsed_seconds), run.alloc_tres, taken_at=taken_at)
+    reading = _job_reading(steps, Decimal(_run_seconds(run)), run.alloc_tres, taken_at=taken_at)
     if run.energy_joules:  # the run's own figure (steps overlap in time: theirs would count twice)
         reading = reading.model_copy(update={"energy_joules": run.energy_joules})
     return reading
+
+
+def _run_seconds(run: p.AcctJob) -> int:
+    """The seconds a run held its allocation: accounting's elapsed time, unless Slurm rewrote it.
+
+    A batch job can be requeued after it ended (``scontrol requeue``, which its owner may run while the controller
+    still holds the job, ``MinJobAge``): Slurm then rewrites the record of the run that had ended, its end moved to
+    the requeue (seconds to minutes later) or its start dropped (0 s), and runs the job again. That run's batch step
+    ended on its own before (a requeue while it runs cancels it) and keeps its record: the run held its allocation
+    for the batch step's time, never more than its record says."""
+    batch = next((s for s in run.steps if s.step_id.rsplit(".", 1)[-1] == "batch"), None)
+    if batch is None or not _requeue_end(run.state):
+        return run.elapsed_seconds
+    ended = map_state(batch.state).state
+    if not ended.final or ended == JobState.CANCELLED:
+        return run.elapsed_seconds  # requeued while it ran
+    if run.start_time is None:
+        return batch.elapsed_seconds
+    return min(run.elapsed_seconds, batch.elapsed_seconds)
 
 
 def _runs_reading(runs: list[Reading]) -> Reading:
