@@ -142,7 +142,8 @@ class JobActivities:
         self.enforcer = enforcer
         self.resolve_body = resolve_body
         self.batchers: dict[str, StatusBatcher] = {}
-        self.monitor = MonitorActivities(self.adapters)
+        # The monitor's rounds send period records through this very path (one metering and signing path).
+        self.monitor = MonitorActivities(self.adapters, report=self._report_usage)
         # Usage records of concurrent activities go to the chain together, batch_size at a time.
         self.usage_batcher = UsageBatcher(chain, config.hpc.usage_reporting.batch_size)
         # What each job asked for (its priced allocation's bound), read once from the chain per job.
@@ -725,6 +726,9 @@ class JobActivities:
         back and carried forward, so the records always add up to the final accounting.
         """
         out = await self._report_usage(request, Attempt.current())
+        if request.watch is not None:
+            # The job's monitor sends its next period records from now on (one registration, no step of its own).
+            await self._tell_monitor(request.watch)
         # The workflow's clock stands still while a local activity runs: this says when the report really ended.
         return out.model_copy(update={"answered_at": datetime.now(UTC)})
 
@@ -742,9 +746,11 @@ class JobActivities:
             # answers ChainUnavailable, longer than the 10 s heartbeat timeout, and a silent wait had Temporal
             # cancel and retry the attempt while the first one's write still sat in a thread (chaos benchmark).
             record = await self._send_record(request, rid, attempt)
-            if request.is_final and not record.is_final:
-                # An earlier report took this sequence for a period record (a watch whose answer was lost): it
-                # stands, and the final record follows it.
+            if record.is_final and not request.is_final:
+                raise _Ended()  # the job's final record took this sequence: nothing follows it
+            while request.is_final and not record.is_final:
+                # An earlier report took this sequence for a period record (a watch whose answer was lost, or the
+                # cluster monitor's round the job had not heard of yet): it stands, and the final record follows.
                 log.warning("usage record %s is a period record; the final record follows it", rid)
                 request = _following(request, record)
                 rid = record_id(request.cluster_id, request.job_id, request.sequence)

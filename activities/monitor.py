@@ -8,6 +8,15 @@ whose state changed. So a retried round or a monitor continued as new loses no t
 at worst, and ignores a state it already has. A job missing from the scheduler is told only once it has been
 missing for the vanished-job grace.
 
+A job that takes its period usage records from the monitor (its registration says when the next one is due) has
+them sent by the round: for each such job whose period is due and that the scheduler still shows running, the
+round asks the job for the record it would send (the ``period_due`` query: its sequence, period start and
+cumulative usage live in the job's workflow), sends it through the job activities' own usage path (the same
+reading, metering and signing; records of one round go to the chain in batches), and signals the job the record
+the chain holds (``period_recorded``). Exactly once: a record's id is the job's and sequence's, so a round retried
+while a timed-out attempt still runs, or a round racing the job's own report, finds the record already on chain
+and carries it; a round never sends before the job says its period is due.
+
 ``register`` is how a job workflow reaches its monitor: signal-with-start, so the first job of a cluster starts
 the monitor and a job never waits for one that ended while idle.
 """
@@ -19,16 +28,17 @@ import logging
 import random
 import time
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
 
 from temporalio import activity
-from temporalio.client import Client
+from temporalio.client import Client, WorkflowQueryFailedError, WorkflowQueryRejectedError
 from temporalio.common import Priority
 from temporalio.exceptions import ApplicationError
 from temporalio.service import RPCError, RPCStatusCode
 
-from activities.attempts import heartbeating
+from activities.attempts import Attempt, AttemptProgress, heartbeating
 from activities.schedulers.base import NativeStatus, SchedulerAdapter
 from virtengine_hpc.errors import SchedulerError
 from virtengine_hpc.messages import (
@@ -36,14 +46,20 @@ from virtengine_hpc.messages import (
     Ended,
     MonitorInput,
     Observation,
+    PeriodDue,
+    PeriodRecorded,
     PollInput,
     PollOutput,
+    UsageInput,
+    UsageOutput,
     WatchedSet,
     WatchEntry,
     WatchRegistration,
     monitor_workflow_id,
 )
+from virtengine_hpc.models import UsageRecord
 from virtengine_hpc.states import JobState
+from virtengine_hpc.usage import next_report_due, record_id
 
 log = logging.getLogger(__name__)
 SIGNALS_IN_FLIGHT = 64
@@ -66,6 +82,13 @@ _BUSY = frozenset(
     {RPCStatusCode.RESOURCE_EXHAUSTED, RPCStatusCode.DEADLINE_EXCEEDED, RPCStatusCode.CANCELLED}
 )
 _rooms: dict[tuple[asyncio.AbstractEventLoop, str], asyncio.Semaphore] = {}
+MAX_REPORTS = 500
+"""Period records a round sends at most (the jobs beyond wait for the next round): bounds the round's length."""
+QUERY_TIMEOUT = timedelta(seconds=10)
+"""How long a round waits for a job's answer to ``period_due`` (no worker of the job: asked again next round)."""
+
+ReportUsage = Callable[[UsageInput, Attempt], Awaitable[UsageOutput]]
+"""Signs and sends one usage record: the job activities' own path (``JobActivities._report_usage``)."""
 
 
 @dataclass
@@ -75,6 +98,10 @@ class _Told:
     version: int
     status: NativeStatus
     missing_since: float | None = None
+    report_at: datetime | None = None
+    """When this process next looks at the job's period record (None: when its registration says)."""
+    signed: UsageRecord | None = None
+    """A period record signed by an earlier round that did not reach the job: sent again, never a new reading."""
 
 
 @dataclass
@@ -83,10 +110,14 @@ class _Monitor:
 
 
 class MonitorActivities:
-    """The cluster monitor's I/O. ``queries`` and ``failures`` count status queries by cluster (metrics)."""
+    """The cluster monitor's I/O. ``queries`` and ``failures`` count status queries by cluster (metrics).
 
-    def __init__(self, adapters: Mapping[str, SchedulerAdapter]) -> None:
+    ``report`` sends a usage record (the job activities' path); without it the rounds send no period records.
+    """
+
+    def __init__(self, adapters: Mapping[str, SchedulerAdapter], report: ReportUsage | None = None) -> None:
         self.adapters = adapters
+        self.report = report
         self._monitors: dict[str, _Monitor] = {}
         self.queries: Counter[str] = Counter()
         self.failures: Counter[str] = Counter()
@@ -125,7 +156,11 @@ class MonitorActivities:
             return PollOutput(watched=len(entries), error=f"status query failed: {exc}"[:300])
         news = self._changes(monitor, entries, answer, request.vanished_grace_seconds)
         await heartbeating(self._tell(client, monitor, news))
-        return PollOutput(watched=len(entries), signalled=len(news), ended=_ended(monitor, entries))
+        due = _periods_due(monitor, entries, answer, news)
+        reported = await heartbeating(self._send_periods(client, monitor, due)) if due else 0
+        return PollOutput(
+            watched=len(entries), signalled=len(news), ended=_ended(monitor, entries), reported=reported
+        )
 
     def _changes(
         self,
@@ -177,6 +212,79 @@ class MonitorActivities:
 
         await asyncio.gather(*(tell(w, s) for w, s in news.items()))
 
+    async def _send_periods(self, client: Client, monitor: _Monitor, due: list[str]) -> int:
+        """Send the period records of the jobs in ``due`` (concurrently: the usage batcher sends them to the chain
+        together) and signal each job its record; the number signalled."""
+        if self.report is None:
+            return 0
+        room = asyncio.Semaphore(SIGNALS_IN_FLIGHT)
+
+        async def send(workflow_id: str) -> bool:
+            async with room:
+                return await self._send_period(client, workflow_id, monitor.told[workflow_id])
+
+        return sum(await asyncio.gather(*(send(w) for w in due)))
+
+    async def _send_period(self, client: Client, workflow_id: str, told: _Told) -> bool:
+        """One job's period record, if the job says it is due: sent (or found on chain), then signalled."""
+        assert self.report is not None
+        handle = client.get_workflow_handle(workflow_id)
+        now = datetime.now(UTC)
+        try:
+            asked: PeriodDue = await handle.query(
+                "period_due", result_type=PeriodDue, rpc_timeout=QUERY_TIMEOUT
+            )
+        except (RPCError, WorkflowQueryFailedError, WorkflowQueryRejectedError) as exc:
+            log.info("job %s did not say whether its period record is due: %s", workflow_id, exc)
+            # (Its workers may be away: the next rounds do not wait for it again at once.)
+            told.report_at = now + QUERY_TIMEOUT
+            return False
+        every = timedelta(seconds=asked.interval_seconds or 60)
+        if asked.report is None or asked.due_at is None:
+            told.report_at = (
+                now + every
+            )  # not sent by the monitor now (not running, finishing): look again later
+            return False
+        if asked.due_at > now:
+            told.report_at = asked.due_at  # a record sent meanwhile (the job's own, an earlier round's)
+            return False
+        request = asked.report
+        rid = record_id(request.cluster_id, request.job_id, request.sequence)
+        attempt = _RoundAttempt.of(
+            told.signed if told.signed is not None and told.signed.record_id == rid else None
+        )
+        try:
+            out = await self.report(request, attempt)
+        except ApplicationError as exc:
+            # Nothing moves: the period stays where the job's last record ended. A busy chain is tried again next
+            # round with the same signed record (it may have landed); a refusal (it did not) waits for the job's
+            # next report time and a new reading.
+            if exc.non_retryable:
+                told.signed, told.report_at = None, next_report_due(asked.started_at, now, every)
+            else:
+                told.signed, told.report_at = attempt.progress.usage_record, None
+            log.warning("period record %s of job %s not sent: %s", rid, workflow_id, exc)
+            return False
+        if out.record_id is None:
+            told.signed, told.report_at = (
+                None,
+                now + every,
+            )  # the job ended: its final record closes the period
+            return False
+        try:
+            await handle.signal("period_recorded", PeriodRecorded(usage=out))
+        except RPCError as exc:
+            if exc.status == RPCStatusCode.NOT_FOUND:
+                told.signed, told.report_at = None, now + every  # its workflow has ended
+                return False
+            # Next round sends it again: the chain answers "duplicate" and the stored record is signalled.
+            told.signed = attempt.progress.usage_record
+            log.warning("could not tell job %s of its record %s (next round): %s", workflow_id, rid, exc)
+            return False
+        told.signed = None
+        told.report_at = next_report_due(asked.started_at, out.period_end, every)
+        return True
+
     @activity.defn(name="watch_with_monitor")
     async def watch_with_monitor(self, registration: WatchRegistration) -> None:
         """Register the job with its cluster's monitor (started if it is not running)."""
@@ -190,6 +298,42 @@ def _ended(monitor: _Monitor, entries: Mapping[str, WatchEntry]) -> list[Ended]:
         if (not told.status.found or told.status.state.final) and len(ended) < MAX_ENDED:
             ended.append(Ended(workflow_id=workflow_id, version=entries[workflow_id].version))
     return ended
+
+
+def _periods_due(
+    monitor: _Monitor,
+    entries: Mapping[str, WatchEntry],
+    answer: Mapping[str, NativeStatus],
+    news: Mapping[str, NativeStatus],
+) -> list[str]:
+    """The jobs whose period record the round sends: registered for it, running on both sides with no news this
+    round, and due by what this process last learnt (or by their registration)."""
+    now = datetime.now(UTC)
+    due: list[str] = []
+    for workflow_id, entry in entries.items():
+        if entry.report_due is None or entry.state != JobState.RUNNING or workflow_id in news:
+            continue
+        status = answer.get(entry.scheduler_job_id)
+        if status is None or not status.found or status.state != JobState.RUNNING:
+            continue
+        at = monitor.told[workflow_id].report_at or entry.report_due
+        if at <= now and len(due) < MAX_REPORTS:
+            due.append(workflow_id)
+    return due
+
+
+class _RoundAttempt(Attempt):
+    """One job's period record within a monitor round. The round's attempt number decides whether an earlier
+    attempt may have sent it (a retried round looks on chain first); its heartbeats carry no details (one round
+    serves many jobs), and a record it signed is kept by the round's process instead."""
+
+    @classmethod
+    def of(cls, signed: UsageRecord | None) -> _RoundAttempt:
+        info = activity.info()
+        return cls(info.attempt, info.activity_type, AttemptProgress(usage_record=signed))
+
+    def beat(self) -> None:
+        activity.heartbeat()
 
 
 def _changed(told: NativeStatus, status: NativeStatus) -> bool:

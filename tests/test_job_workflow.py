@@ -455,12 +455,54 @@ async def test_history_grows_by_about_six_events_per_report_cycle(pipe: Pipeline
     (fixed, one), (events, records) = await asyncio.gather(run(3600), run(0.5))
     assert one == 1 and records >= 6
     per_cycle = (events - fixed) / (records - 1)
-    # A report cycle is the timer firing, one workflow task, the local activity's marker and the next timer: ~6
-    # events; a report that finds the job ended before the monitor said so adds one cycle without a record.
+    # A report cycle is the timer firing, one workflow task, the local activity's marker and the next timer (~6
+    # events) where the job sends its own records; where its monitor sends them, 4 (the next test).
     assert per_cycle <= 8, (
         f"{events} events for {records} records; {fixed} for a job without periodic reports"
     )
     assert fixed + 288 * per_cycle < 2200, "a 24 h job at 5-minute reports"
+
+
+async def test_a_report_period_adds_at_most_four_events_when_the_monitor_sends_the_records(
+    pipe: Pipeline,
+) -> None:
+    """The cluster monitor's round sends a running job's period records and signals each one: the job's history
+    grows by the signal and one workflow task per period (4 events), with no timer and no activity of its own.
+
+    A job reports every second for 12 s: from the first record its monitor signals to the last, its history grows
+    by at most 4 events per record (anything else the job did meanwhile, a timer firing, counts too).
+    """
+    from virtengine_hpc.messages import JobWorkflowInput
+    from virtengine_hpc.models import JobSpec
+    from workers.wiring import job_settings
+    from workflows.hpc_job import initial_search_attributes
+
+    adapter(pipe).default = Script([(0, Q), (0.2, R), (12.0, C)], exit_code=0)
+    job_id = pipe.submit()
+    spec = JobSpec.model_validate(pipe.ledger.job(job_id).raw_spec)  # type: ignore[union-attr]
+    settings = job_settings(pipe.config).model_copy(update={"report_interval_seconds": 1.0})
+    inp = JobWorkflowInput(job=spec, cluster_id=pipe.cluster_id, provider=spec.provider, settings=settings)
+    handle = await pipe.client.start_workflow(
+        "HPCJobWorkflow",
+        inp,
+        id=job_id,
+        task_queue=pipe.task_queue,
+        search_attributes=initial_search_attributes(inp),
+    )
+    await pipe.handle(job_id).result()
+    events = [e async for e in handle.fetch_history_events()]
+    signalled = [
+        n
+        for n, e in enumerate(events)
+        if e.workflow_execution_signaled_event_attributes.signal_name == "period_recorded"
+    ]
+    records = len(pipe.ledger.usage_records(job_id))
+    # The first period record is the job's own (it registers for the next ones with it), the last the final one.
+    assert len(signalled) >= 6 and len(signalled) >= records - 3, (len(signalled), records)
+    per_period = (signalled[-1] - signalled[0]) / (len(signalled) - 1)
+    assert per_period <= 4, [e.event_type for e in events[signalled[0] : signalled[-1]]]
+    fixed = len(events) - (signalled[-1] - signalled[0])
+    assert fixed + 288 * per_period < 1300, "a 24 h job at 5-minute reports"
 
 
 async def test_a_slow_submit_is_not_mistaken_for_a_dead_worker(pipe: Pipeline) -> None:

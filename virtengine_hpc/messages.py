@@ -41,6 +41,7 @@ PAYLOAD_BUDGET: dict[str, int] = {
     "watch_with_monitor": 2 * 1024,
     "poll_cluster": 64 * 1024,
     "observe": 2 * 1024,
+    "period_recorded": 2 * 1024,
 }
 """Bytes per serialized payload: the job workflow's input (also what continue-as-new carries) and result, per
 activity the most its input and its result may each take, and per signal its argument."""
@@ -204,6 +205,11 @@ class Carried(Model):
     final_sent: bool = Field(False, description="The final usage record and accounting are on chain.")
     monitored: bool = Field(
         False, description="The job is registered with its cluster's monitor (it waits for its signals)."
+    )
+    reports_by_monitor: bool = Field(
+        False,
+        description="The cluster's monitor sends the job's period usage records and signals each one "
+        "(``period_recorded``); the job keeps no report timer of its own while it does.",
     )
 
 
@@ -452,6 +458,11 @@ class WatchEntry(Model):
     state: JobState
     start_time: datetime | None = None
     version: int = Field(0, description="Set by the monitor: bumped by every registration of this job.")
+    report_due: datetime | None = Field(
+        None,
+        description="The monitor sends this job's period usage records; the next one is due about then (the job's "
+        "``period_due`` query says exactly when).",
+    )
 
 
 class WatchRegistration(Model):
@@ -496,12 +507,36 @@ class PollOutput(Model):
     error: str | None = Field(
         None, max_length=300, description="The status query failed (not a state change)."
     )
+    reported: int = Field(
+        0, description="Period usage records the round sent (or found on chain) and signalled."
+    )
 
 
 class Observation(Model):
     """The monitor's signal to a job workflow: the scheduler's view of the job changed."""
 
     status: NativeStatus
+
+
+class PeriodDue(Model):
+    """A job's answer to its monitor's ``period_due`` query: the period record it would send now, and from when.
+
+    ``report`` is None when the monitor is not to send the job's period records (the job is not running, has begun
+    to finish, or does not take its records from the monitor).
+    """
+
+    report: UsageInput | None = None
+    due_at: datetime | None = Field(
+        None, description="When the period the record covers is due (job's clock)."
+    )
+    interval_seconds: float = Field(0.0, ge=0, description="The job's report interval.")
+    started_at: datetime | None = Field(None, description="The start the job's report schedule counts from.")
+
+
+class PeriodRecorded(Model):
+    """The monitor's signal to a job workflow: it sent this period record (or the chain already held it)."""
+
+    usage: UsageOutput
 
 
 class CancelInput(Model):
@@ -541,6 +576,11 @@ class UsageInput(Model):
         None,
         description="What the job asked for (the bound of its priced allocation); when absent the usage activity "
         "reads it from the job's spec on chain.",
+    )
+    watch: WatchRegistration | None = Field(
+        None,
+        description="Once the record is on chain, register the job with its cluster's monitor this way (its "
+        "``report_due`` set: the monitor sends the job's next period records).",
     )
 
     @model_validator(mode="before")
@@ -617,3 +657,5 @@ class UsageOutput(Model):
 TransitionInput.model_rebuild()
 WatchInput.model_rebuild()
 WatchOutput.model_rebuild()
+PeriodDue.model_rebuild()
+PeriodRecorded.model_rebuild()

@@ -8,6 +8,7 @@ records of a job add up exactly to its final accounting. Quantities are ``Decima
 
 from __future__ import annotations
 
+from datetime import datetime, timedelta
 from decimal import ROUND_HALF_EVEN, Decimal
 from typing import Any
 
@@ -33,6 +34,14 @@ _OPTIONAL = _OPTIONAL_DECIMALS + _OPTIONAL_COUNTS
 
 def record_id(cluster_id: str, job_id: str, sequence: int) -> str:
     return f"{cluster_id}/{job_id}/{sequence}"
+
+
+def next_report_due(started: datetime | None, last: datetime, interval: timedelta) -> datetime:
+    """When the period record after one that ended at ``last`` is due: on the job's own schedule (its start plus
+    whole intervals), so a record taken a moment after it was due does not push every later one back by as much."""
+    if started is not None and last >= started:
+        return started + (1 + (last - started) // interval) * interval
+    return last + interval
 
 
 def quantize(value: Decimal) -> Decimal:

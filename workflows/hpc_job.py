@@ -39,6 +39,8 @@ with workflow.unsafe.imports_passed_through():
         MonitorSettings,
         Observation,
         ParkInput,
+        PeriodDue,
+        PeriodRecorded,
         RecoverInput,
         RecoverOutput,
         Recovery,
@@ -56,6 +58,7 @@ with workflow.unsafe.imports_passed_through():
         WatchRegistration,
     )
     from virtengine_hpc.states import JobState, LifecycleEvent, lifecycle_event, transition_path
+    from virtengine_hpc.usage import next_report_due
 
 SA_STATE = SearchAttributeKey.for_keyword("VeJobState")
 SA_CLUSTER = SearchAttributeKey.for_keyword("VeClusterId")
@@ -114,6 +117,12 @@ PATCH_RESUMED_PARK_FINISHES = "resumed-park-cancel-finishes"
 """A cancel of a job parked on its finish path in a run that continued a parked one goes on finishing it: it went
 back to the drive loop, whose watch sent a period record after the final one already on chain, and the job never
 settled (every final record after it refused)."""
+PATCH_MONITOR_SENDS_PERIODS = "monitor-sends-period-records"
+"""A running job's period usage records are sent by its cluster monitor's round, which signals each one: the job
+records it from the signal and keeps no report timer (a signal and a workflow task a period instead of a timer, a
+workflow task and a local activity), and reports itself only when its monitor has sent nothing for
+``max_watch_seconds``. Asked at a job's first period report of a run: a run that began before it reports as before.
+"""
 CANCEL_BACKOFF_CAP = timedelta(minutes=5)
 _MIN_TIMER = timedelta(milliseconds=100)
 _DONE = object()
@@ -160,6 +169,9 @@ class HPCJobWorkflow:
         self._report_tried_at: datetime | None = None
         self._report_failed_at: datetime | None = None
         self._contact_at: datetime | None = None
+        # Its monitor sends the job's period records (c.reports_by_monitor) but went quiet: the job sends its own
+        # until the monitor's next record arrives.
+        self._fallen_back = False
         # (workflow.now() when a period report's local activity answered, the worker's clock at that moment)
         self._answered: tuple[datetime, datetime] | None = None
         self.recovered = False  # a recovery run has found where the job stands
@@ -224,6 +236,33 @@ class HPCJobWorkflow:
     def observe(self, observation: Observation) -> None:
         """The cluster's monitor saw the job's state change (only the newest news matters)."""
         self.observed = observation.status
+
+    @workflow.signal(name="period_recorded")
+    def period_recorded(self, recorded: PeriodRecorded) -> None:
+        """The cluster's monitor sent the job's next period record (or found it on chain): the job records it. A
+        record the job already holds (its own report got there first, a round that was retried) changes nothing."""
+        out = recorded.usage
+        if out.record_id is None or out.sequence != self.c.next_sequence or self.c.final_sent:
+            return
+        self._record_sent(out)
+        self._fallen_back = False
+        self._contact_at = workflow.now()
+
+    @workflow.query(name="period_due")
+    def period_due(self) -> PeriodDue:
+        """The period record the job's monitor is to send for it, and when it is due (the monitor sends nothing
+        earlier); none while the job does not run, has begun to finish, or keeps its own report timer."""
+        interval = self.settings.report_interval_seconds
+        due = self._report_due()
+        serves = self.c.reports_by_monitor and self.c.scheduler_job_id is not None
+        if not serves or due is None or self.c.final_state is not None or self.c.parked is not None:
+            return PeriodDue(interval_seconds=interval)
+        return PeriodDue(
+            report=self._usage_input(final=False),
+            due_at=due,
+            interval_seconds=interval,
+            started_at=self.c.started_at,
+        )
 
     def _request_cancel(self, request: CancelRequest) -> None:
         if not self.c.state.final and not self.c.cancel_requested:
@@ -686,13 +725,24 @@ class HPCJobWorkflow:
             await self._register_with_monitor()  # a run that continued an older one, or a recovery run
             now = self._now()
         due = self._report_due()
-        if due is not None and now >= due:
-            self._report_tried_at = now
-            await self._report_usage(final=False)
-            return
+        served = due is not None and self.c.reports_by_monitor and not self._fallen_back
+        if due is not None and self._fallen_back:
+            # Its monitor may be back: it goes first, and the job sends the record only a few rounds later.
+            poll, interval = self.settings.poll_interval_seconds, self.settings.report_interval_seconds
+            due += timedelta(seconds=min(interval, 4 * poll))
         contact = self._contact_at or now
         check_at = contact + timedelta(seconds=self.settings.max_watch_seconds)
-        wake_at = min(t for t in (due, deadline, self._cancel_retry_at(), check_at) if t is not None)
+        if due is not None and now >= due and (not served or now >= check_at):
+            if served:
+                # Its monitor has sent nothing for max_watch_seconds: the job reports itself (from where its last
+                # record ended: no gap) until the monitor's next record arrives, and registers with it again.
+                self._fallen_back = True
+            self._report_tried_at = now
+            await self._report_usage(final=False, watch=self._monitor_takes_over(due))
+            return
+        wake_at = min(
+            t for t in (None if served else due, deadline, self._cancel_retry_at(), check_at) if t is not None
+        )
         await self._sleep_until(max(wake_at, now))
         if self.observed is not None:
             status, self.observed = self.observed, None
@@ -706,10 +756,18 @@ class HPCJobWorkflow:
                     self.c = self.c.model_copy(update={"monitored": False})
                     raise
             return
-        if workflow.now() >= check_at:
-            # Nothing heard for a long while: tell the monitor again where the job stands, so it signals any
-            # change it has seen and this job missed (a monitor that ended or was reset starts again).
-            await self._register_with_monitor()
+        now = workflow.now()
+        if self._contact_at is not None:
+            # (The monitor's period records, signalled meanwhile, are news too: they move the check.)
+            check_at = self._contact_at + timedelta(seconds=self.settings.max_watch_seconds)
+        if now < check_at:
+            return
+        due = self._report_due()
+        if served and due is not None and now >= due:
+            return  # its record is overdue: the job sends it on the next pass, registering again with it
+        # Nothing heard for a long while: tell the monitor again where the job stands, so it signals any change it
+        # has seen and this job missed (a monitor that ended or was reset starts again).
+        await self._register_with_monitor()
 
     def _now(self) -> datetime:
         """``workflow.now()``, or later when a local activity ran in this workflow task.
@@ -740,7 +798,16 @@ class HPCJobWorkflow:
             self._timer = asyncio.ensure_future(workflow.sleep(delay))
             self._timer_at = now + delay
         timer = self._timer
-        await workflow.wait_condition(lambda: timer.done() or self.observed is not None or self._cancel_due())
+        # A job whose monitor sends its records wakes for nothing else while it runs: its history grows with
+        # every record, so it also wakes to continue as new when the history is long.
+        await workflow.wait_condition(
+            lambda: (
+                timer.done()
+                or self.observed is not None
+                or self._cancel_due()
+                or (self.c.reports_by_monitor and self._history_is_long())
+            )
+        )
 
     async def _register_with_monitor(self) -> None:
         registration = self._registration(self.c.state, None)
@@ -754,11 +821,28 @@ class HPCJobWorkflow:
         self.c = self.c.model_copy(update={"monitored": True})
         self._contact_at = workflow.now()
 
-    def _registration(self, state: JobState, began: datetime | None) -> WatchRegistration | None:
+    def _monitor_takes_over(self, due: datetime) -> WatchRegistration | None:
+        """The registration that has the job's monitor send its period records after this one, or None: the job
+        keeps its own report timer (its monitor does not round often enough, or the run began before
+        ``PATCH_MONITOR_SENDS_PERIODS``)."""
+        often = 2 * self.settings.poll_interval_seconds <= self.settings.report_interval_seconds
+        if not self.by_monitor or not often:
+            return None
+        if not self.c.reports_by_monitor and not workflow.patched(PATCH_MONITOR_SENDS_PERIODS):
+            return None
+        interval = timedelta(seconds=self.settings.report_interval_seconds)
+        return self._registration(JobState.RUNNING, None, report_due=due + interval)
+
+    def _registration(
+        self, state: JobState, began: datetime | None, *, report_due: datetime | None = None
+    ) -> WatchRegistration | None:
         """What the cluster's monitor is told of this job in a new state (None: the job is not watched by it)."""
         if not self.by_monitor or self.c.scheduler_job_id is None:
             return None
         start = began if state == JobState.RUNNING and began is not None else self.c.start_time
+        if report_due is None and self.c.reports_by_monitor and state == JobState.RUNNING:
+            last = self.c.last_report_at or self.c.started_at or workflow.now()
+            report_due = last + timedelta(seconds=self.settings.report_interval_seconds)
         return WatchRegistration(
             workflow_id=workflow.info().workflow_id,
             monitor=MonitorSettings(
@@ -768,7 +852,12 @@ class HPCJobWorkflow:
                 vanished_grace_seconds=self.settings.vanished_grace_seconds,
                 heartbeat_timeout_seconds=self.settings.heartbeat_timeout_seconds,
             ),
-            entry=WatchEntry(scheduler_job_id=self.c.scheduler_job_id, state=state, start_time=start),
+            entry=WatchEntry(
+                scheduler_job_id=self.c.scheduler_job_id,
+                state=state,
+                start_time=start,
+                report_due=report_due if self.settings.usage_enabled else None,
+            ),
         )
 
     def _watch_plan(
@@ -961,10 +1050,17 @@ class HPCJobWorkflow:
         )
 
     async def _report_usage(
-        self, *, final: bool, final_state: JobState | None = None, partial: bool = False
+        self,
+        *,
+        final: bool,
+        final_state: JobState | None = None,
+        partial: bool = False,
+        watch: WatchRegistration | None = None,
     ) -> None:
         unlimited = final or self.settings.retry_on_failure
         request = self._usage_input(final=final, final_state=final_state, partial=partial)
+        if watch is not None:
+            request = request.model_copy(update={"watch": watch})
         try:
             out: UsageOutput
             if self.by_monitor and not final and self.c.task_queue is None:
@@ -1000,8 +1096,14 @@ class HPCJobWorkflow:
                 else:
                     self.c = self.c.model_copy(update={"last_report_at": workflow.now()})
             return  # (waiting for the monitor: the next try comes an interval after this one)
+        if watch is not None:
+            # Registered: the monitor sends the next period records.
+            self.c = self.c.model_copy(update={"reports_by_monitor": True, "monitored": True})
+            self._contact_at = workflow.now()
         if out.record_id is None and not final:
             return  # the job has ended: its final record follows once the monitor says so
+        if not final and out.sequence is not None and out.sequence < self.c.next_sequence:
+            return  # its monitor's signal brought this very record first
         self._record_sent(out)
         if final:
             if self.v2:
@@ -1192,12 +1294,9 @@ class HPCJobWorkflow:
                 return None
             failed = self._report_failed_at  # set only on the patched path (PATCH_FAILED_REPORT_KEEPS_PERIOD)
             return last + interval if failed is None else max(last, failed) + interval
-        due = last + interval
-        start = self.c.started_at
-        if start is not None and last >= start:
-            # On the job's own schedule (its start + whole intervals): a reading taken a moment after its timer
-            # fired does not push every later report back by that moment.
-            due = start + (1 + (last - start) // interval) * interval
+        # On the job's own schedule (its start + whole intervals): a reading taken a moment after its timer fired
+        # does not push every later report back by that moment.
+        due = next_report_due(self.c.started_at, last, interval)
         if self._report_tried_at is not None:
             # A report that found the job ended sent nothing: the next try waits an interval.
             due = max(due, self._report_tried_at + interval)
