@@ -30,6 +30,7 @@ from virtengine_hpc.markers import claimed_workflow
 from virtengine_hpc.metering import meter
 from virtengine_hpc.states import JobState
 from virtengine_hpc.tenancy import TenantAccountError, TenantRules
+from workers.metrics import MeteredAuditLog, WorkerMetrics
 from workers.sweeper import JobSweep
 
 TRANSPORTS = ("ssh", "rest")
@@ -519,7 +520,9 @@ async def test_the_sweep_audits_a_job_a_tenant_ran_between_two_rounds(
     what it held; it ran unbilled."""
     bob = cluster.tenant_users[1]
     config = cluster.config(tmp_path, "ssh")
-    sweeper = JobSweep(client, LocalLedger.from_config(config), moab, config, AuditLog(config.hpc.audit))
+    metrics = WorkerMetrics()
+    audit = MeteredAuditLog(config.hpc.audit, metrics)
+    sweeper = JobSweep(client, LocalLedger.from_config(config), moab, config, audit, metrics=metrics)
     await sweeper.sweep_once()
     bob_user = pwd.getpwnam(bob)
     answer = cluster.moab.handle(
@@ -533,6 +536,13 @@ async def test_the_sweep_audits_a_job_a_tenant_ran_between_two_rounds(
         await asyncio.sleep(0.1)
     assert cluster.moab.jobs[free].state == "Completed"
 
+    def unbilled() -> float:
+        sample = metrics.registry.get_sample_value(
+            "virtengine_hpc_unbilled_cpu_seconds_total", {"cluster": config.hpc.cluster_id}
+        )
+        return sample or 0.0
+
+    before = unbilled()  # (the first round read back, over the other transport's run of this test too)
     first, second = await sweeper.sweep_once(), await sweeper.sweep_once()
 
     assert first.ran == [free] and not second.ran, (first, second)
@@ -543,6 +553,7 @@ async def test_the_sweep_audits_a_job_a_tenant_ran_between_two_rounds(
     details = audited[0]["details"]
     assert details["ended"] is True and details["account"] == bob and details["tenant"] == ms.BOB
     assert details["elapsed_seconds"] >= 1 and details["allocated"] == {"cpus": 2, "nodes": 1}
+    assert unbilled() - before == 2 * details["elapsed_seconds"], "the CPU time no chain job billed, counted"
 
 
 async def test_a_pool_account_moab_lists_jobs_of_is_never_handed_to_a_new_tenant(

@@ -218,6 +218,14 @@ class WorkerMetrics:
             ["cluster", "kind", "action"],
             registry=r,
         )
+        self.unbilled_cpu_seconds = Counter(
+            f"{PREFIX}_unbilled_cpu_seconds",
+            "CPU-seconds (allocated CPUs times run time) of the jobs of tenants' accounts that ran and ended between "
+            "two sweep rounds without a valid marker: compute no chain job billed (jobs the sweep cancelled while "
+            "live are counted in swept_jobs only).",
+            ["cluster"],
+            registry=r,
+        )
         self.last_sweep = Gauge(
             f"{PREFIX}_sweep_last_round_timestamp_seconds",
             "When the sweep for scheduler jobs no workflow names last completed a round (unix time).",
@@ -303,6 +311,15 @@ def _duplicate_cancelled(m: WorkerMetrics, cluster: str, success: bool, d: Mappi
         m.submissions.labels(cluster, "duplicate_cancelled").inc()
 
 
+def _unowned_found(m: WorkerMetrics, cluster: str, success: bool, d: Mapping[str, Any]) -> None:
+    m.swept.labels(cluster, str(d.get("kind", "unowned")), "reported").inc()
+    allocated = d.get("allocated")
+    if d.get("ended") and isinstance(allocated, Mapping):
+        cpus, elapsed = allocated.get("cpus"), d.get("elapsed_seconds")
+        if isinstance(cpus, int) and isinstance(elapsed, int) and cpus > 0 and elapsed > 0:
+            m.unbilled_cpu_seconds.labels(cluster).inc(cpus * elapsed)
+
+
 _AUDIT_HANDLERS: dict[str, Callable[[WorkerMetrics, str, bool, Mapping[str, Any]], None]] = {
     "job_lifecycle_event": _transition,
     "job_submitted": _submitted,
@@ -312,9 +329,7 @@ _AUDIT_HANDLERS: dict[str, Callable[[WorkerMetrics, str, bool, Mapping[str, Any]
     "unowned_job_cancelled": lambda m, c, s, d: m.swept.labels(
         c, str(d.get("kind", "unowned")), "cancelled"
     ).inc(),
-    "unowned_job_found": lambda m, c, s, d: m.swept.labels(
-        c, str(d.get("kind", "unowned")), "reported"
-    ).inc(),
+    "unowned_job_found": _unowned_found,
     "job_validation_failed": lambda m, c, s, d: m.validation_failures.labels(c).inc(),
     # A retried report the chain answers "duplicate" sent nothing new: the chain keeps the first attempt's record.
     "usage_reported": lambda m, c, s, d: m.usage_records.labels(
