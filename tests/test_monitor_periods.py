@@ -364,12 +364,17 @@ async def test_the_final_record_follows_a_period_record_whatever_reaches_the_cha
     assert out.reported == 0  # the job was told nothing: it had ended, or the record was its final one
 
 
-async def test_a_job_whose_monitor_sends_nothing_reports_itself_without_a_gap(setup: Setup) -> None:
+@pytest.mark.parametrize("runs", ["one run", "continued as new"])
+async def test_a_job_whose_monitor_sends_nothing_reports_itself_without_a_gap(
+    setup: Setup, runs: str
+) -> None:
     """The monitor's rounds stop serving (paused: as a monitor stuck in a failing round): once the job has heard
     nothing for max_watch_seconds it sends its own period records, from where the monitor's last one ended; when
-    the rounds come back, the monitor sends them again."""
+    the rounds come back, the monitor sends them again. A job whose history fills up every few records does the
+    same in each of its runs (a run continued from another has heard nothing from the monitor yet)."""
     s = setup
-    job_id = await s.start(max_watch_seconds=3.0)
+    bound = {"continue_as_new_after_events": 60} if runs == "continued as new" else {}
+    job_id = await s.start(max_watch_seconds=3.0, **bound)
     await s.served(job_id)
     await s.rounds.pause()
     paused_at = len(s.ledger.usage_records(job_id))

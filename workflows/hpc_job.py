@@ -726,6 +726,8 @@ class HPCJobWorkflow:
             now = self._now()
         due = self._report_due()
         served = due is not None and self.c.reports_by_monitor and not self._fallen_back
+        if served and self._contact_at is None:
+            self._contact_at = now  # a run that continued another: its monitor's silence counts from here
         if due is not None and self._fallen_back:
             # Its monitor may be back: it goes first, and the job sends the record only a few rounds later.
             poll, interval = self.settings.poll_interval_seconds, self.settings.report_interval_seconds
