@@ -37,7 +37,7 @@ from tests.local_support import (
     tenant_accounts,
 )
 from virtengine_hpc.config import LocalSchedulerConfig
-from virtengine_hpc.errors import ConfigError, JobNotFound, SubmissionRejected
+from virtengine_hpc.errors import ConfigError, JobNotFound, SchedulerError, SubmissionRejected
 from virtengine_hpc.markers import MarkerKey
 from virtengine_hpc.metering import GB, meter
 from virtengine_hpc.models import JobSpec, Resources
@@ -1038,6 +1038,37 @@ async def test_a_pool_account_with_job_directories_here_is_never_handed_to_a_new
     assert await worker_b.accounts_in_use([account, TENANT_POOL[0]]) == {
         account: f"1 local job directories in {state_dir / 'jobs'} (0 not ended), which hold its files"
     }
+
+
+@pytest.mark.skipif(not running_as_root(), reason="pool accounts need a root worker")
+async def test_an_accounts_job_directories_are_removed_as_the_account_once_its_jobs_ended(
+    make_adapter: Callable[..., LocalAdapter], tmp_path: Path, shared: Path
+) -> None:
+    """``tenants release --clean`` on the local executor: the account's job directories go (what its jobs wrote
+    removed as the account, read-only directories too), refused while one of its jobs runs; then the pool hands
+    the account to a new tenant."""
+    account = TENANT_POOL[-1]
+    state_dir = make_adapter().state_dir
+    tenants = TenantAccounts(TenantRules(pool=(account,)), AssignmentStore(tmp_path / "a.db"))
+    adapter = LocalAdapter(
+        LocalSchedulerConfig(kill_wait="1s", allow_unisolated=True), state_dir, "c", tenants
+    )
+    gate = shared / "gate"
+    body = f"mkdir -p keep/deep && echo x > keep/deep/f && chmod 500 keep/deep keep\nwhile [ ! -e {gate} ]; do sleep 0.05; done\n"
+    x = await adapter.submit(request("wf-clean-x", body, tenant="tenantx"))
+    await wait_for(adapter, x.scheduler_job_id, {JobState.RUNNING})
+    assert await adapter.account_files(account) == [x.scheduler_job_id]
+    with pytest.raises(SchedulerError, match="local jobs that have not ended"):
+        await adapter.remove_account_files(account)
+    gate.touch()
+    assert (await wait_final(adapter, x.scheduler_job_id)).state == JobState.COMPLETED
+    await adapter.remove_account_files(account)
+    assert not adapter.job_dir(x.scheduler_job_id).exists()
+    assert await adapter.account_files(account) == [] and await adapter.accounts_in_use([account]) == {}
+    tenants.store.release("tenantx")  # type: ignore[union-attr]
+    z = await adapter.submit(request("wf-clean-z", "id -un\n", tenant="tenantz"))
+    assert (await wait_final(adapter, z.scheduler_job_id)).state == JobState.COMPLETED
+    assert (adapter.job_dir(z.scheduler_job_id) / "stdout").read_text() == f"{account}\n"
 
 
 def test_supervisors_of_old_jobs_sample_less_often() -> None:

@@ -335,11 +335,13 @@ def test_release_refuses_an_account_whose_jobs_the_cluster_still_shows(
     AssignmentStore(tmp_path / "assignments.db").assign(x, TenantRules(pool=(account,)))
     path = tmp_path / "config.yaml"
     tenants = {"pool": [account], "assignments_path": str(tmp_path / "assignments.db")}
+    # A job directory of this test's own: other tests' outputs in the shared one would hold the release back.
+    work = str(reachable_dir("slurm-work"))
     audit_log = tmp_path / "audit.log"
     hpc = {
         "scheduler_type": "slurm",
         "cluster_id": "slurm-test",
-        "slurm": sc.slurm_section(env, "cli"),
+        "slurm": sc.slurm_section(env, "cli", work_dir=work),
         "audit": {"log_path": str(audit_log)},
     }
     path.write_text(yaml.safe_dump({"hpc": {**hpc, "tenants": tenants}}))

@@ -769,9 +769,41 @@ class LocalAdapter(SchedulerAdapter):
         return await asyncio.to_thread(self._accounts_in_use, accounts)
 
     async def account_files(self, account: str) -> list[str] | None:
-        """The job directories of ``account`` (its files are in their ``work/``); the operator removes them."""
+        """The job directories of ``account`` (its files are in their ``work/``)."""
         jobs = await asyncio.to_thread(self._jobs_of, {account})
         return [job_id for job_id, _ in jobs.get(account, [])][:FILES_SHOWN]
+
+    async def remove_account_files(self, account: str) -> None:
+        await asyncio.to_thread(self._remove_account_files, account)
+
+    def _remove_account_files(self, account: str) -> None:
+        """Remove every job directory of ``account``: what its jobs wrote (``work/``) emptied as the account by
+        fixed argvs, then the rest, the worker's own. Refused while one of its jobs has not ended."""
+        jobs = [job_id for job_id, _ in self._jobs_of({account}).get(account, [])]
+        running = [j for j in jobs if (self._current_status(j) or {}).get("state") not in sup.FINAL_STATES]
+        if running:
+            raise SchedulerError(
+                f"{account} still has local jobs that have not ended ({', '.join(running[:3])}); cancel them first",
+                transient=False,
+            )
+        entry = pwd.getpwnam(account)
+        for job_id in jobs:
+            work = self._jobs / job_id / sup.WORK
+            for argv in (["-type", "d", "-exec", "chmod", "u+rwx", "{}", ";"], ["-delete"]):
+                subprocess.run(
+                    ["find", str(work), "-mindepth", "1", *argv],
+                    user=entry.pw_uid,
+                    group=entry.pw_gid,
+                    extra_groups=[],
+                    env=_SUPERVISOR_ENV,
+                    cwd="/",
+                    stdin=subprocess.DEVNULL,
+                    capture_output=True,
+                    timeout=300,
+                    check=False,
+                )
+            self._meta_cache.pop(job_id, None)
+            shutil.rmtree(self._jobs / job_id)  # fd-based: never follows a link out of the directory
 
     def _accounts_in_use(self, accounts: Iterable[str]) -> dict[str, str]:
         """The local executor's registry is its job directories: an account has jobs here while any of its job

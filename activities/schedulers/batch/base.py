@@ -712,13 +712,13 @@ class AccountExecutors:
         return await self.dirs.ensure(work_dir, account)
 
     def _outside_login(self, account: str) -> CommandExecutor | None:
-        """The account's executor if its commands run outside the account's own login (``setpriv``, ``runuser``,
-        ``sudo``: no shell, no startup files); None over SSH, where the startup files its tenant wrote could
-        answer anything."""
+        """The account's executor if any command runs as the account outside its own login (``setpriv``,
+        ``runuser``: no shell, no startup files); None over SSH, where the startup files its tenant wrote could
+        answer anything, and with ``sudo``, whose rule allows ``sbatch`` alone."""
         if self._factory is None or account == self.user:
             return None
         executor = self.get(account)
-        return None if getattr(executor.runner, "reads_startup_files", True) else executor
+        return executor if getattr(executor.runner, "runs_any_command", False) else None
 
     async def account_files(self, work_dir: str, account: str) -> list[str] | None:
         """The entries of ``<work_dir>/<account>`` (at most ``FILES_SHOWN``; ``[]``: empty or missing), listed as

@@ -150,13 +150,14 @@ class AccountRunner:
     ``runuser`` (root, through PAM) or ``sudo -n`` (an unprivileged worker with a sudoers rule). The argv is a list:
     no shell ever sees the account name or a job's field."""
 
-    #: No login shell runs: the account's own startup files (its tenant's to write) never see the commands.
-    reads_startup_files = False
-
     def __init__(self, runner: LocalRunner, account: str, how: str) -> None:
         self.runner = runner
         self.account = account
         self.description = f"local as {account} ({how})"
+        #: Any command runs as the account, and no login shell does (its startup files, the tenant's to write,
+        #: never see it): the listing and removal of what the account left can be trusted. Not with sudo, whose
+        #: rule allows sbatch alone.
+        self.runs_any_command = how in ("setpriv", "runuser")
         if how == "setpriv":
             try:
                 entry = pwd.getpwnam(account)
