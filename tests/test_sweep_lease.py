@@ -13,12 +13,13 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
 from temporalio.client import Client
 
+from activities.audit import read_events
 from activities.schedulers.base import ListedJob
 from tests.conftest import make_config
 from tests.memory_adapter import MemoryAdapter, Script, _Job
@@ -126,11 +127,12 @@ class EndedWindowScheduler(ListingScheduler):
     """Records how far back each round asks for the tenants' accounts' jobs that ended."""
 
     asked: list[int] | None = None
+    ended: list[ListedJob] | None = None
 
     async def swept_ended(self, seconds: int) -> list[ListedJob]:
         assert self.asked is not None
         self.asked.append(seconds)
-        return []
+        return list(self.ended or [])
 
 
 async def test_a_pollers_first_round_reads_ended_jobs_back_to_the_last_round_kept_at_most_sweep_lookback(
@@ -161,3 +163,52 @@ async def test_a_pollers_first_round_reads_ended_jobs_back_to_the_last_round_kep
     await poller_sweep().sweep_once()  # restarted after two hours: no further than sweep_lookback
 
     assert scheduler.asked == [3600 + margin, 600 + margin, 60 + margin, 3600 + margin]
+
+
+class FlippingLease:
+    """A lease this poller holds or not, as the test says."""
+
+    def __init__(self) -> None:
+        self.held = True
+
+    async def refresh(self) -> bool:
+        return self.held
+
+
+async def test_a_poller_holding_the_lease_again_does_not_report_what_the_holder_meanwhile_reported(
+    pipe: Pipeline,
+) -> None:
+    """Poller B sweeps, loses the cluster's lease to poller A of the same host, and holds it again: a tenant's job
+    that ended meanwhile was read and audited by A. B's next round reads back over that time too, and leaves the
+    job out: the audit log shows A's record (before, B reported it a second time, counted twice)."""
+    scheduler = EndedWindowScheduler(asked=[])
+    now = [time.time()]
+    lease_b = FlippingLease()
+
+    def poller_sweep(lease: FlippingLease | None) -> JobSweep:
+        return JobSweep(
+            pipe.client, pipe.ledger, scheduler, pipe.config, pipe.deps.audit, lease=lease,  # type: ignore[arg-type]
+            clock=lambda: now[0],
+        )  # fmt: skip
+
+    b = poller_sweep(lease_b)
+    await b.sweep_once()
+    lease_b.held = False
+    now[0] += 60
+    assert (await b.sweep_once()).standby
+    free = ListedJob(
+        scheduler_job_id="4711", user="vehpc-t1", final=True, elapsed_seconds=20,
+        submitted_at=datetime.fromtimestamp(now[0] - 40, UTC),
+    )  # fmt: skip
+    scheduler.ended = [free]
+    assert (await poller_sweep(None).sweep_once()).ran == ["4711"]  # poller A, holding the lease
+    lease_b.held = True
+    now[0] += 60
+
+    assert (await b.sweep_once()).ran == [], "A audited it already"
+    records = [
+        e
+        for e in read_events(pipe.config.hpc.audit.log_path)
+        if e["details"].get("scheduler_job_id") == "4711"
+    ]
+    assert len(records) == 1, records

@@ -202,6 +202,9 @@ class JobSweep:
         on a poller that stands by (another holds the cluster's intake lease and sweeps)."""
         stats = SweepStats()
         if self.lease is not None and not await self.lease.refresh():
+            # Another poller sweeps meanwhile: when this one holds the lease again, its first round reads back and
+            # leaves out what the audit log shows the other already audited, as a poller's very first round does.
+            self._last_round = None
             stats.standby = True
             return stats
         started = self.clock()
@@ -263,7 +266,7 @@ class JobSweep:
             if job.workflow_id is None and not job.marked_elsewhere and job.scheduler_job_id not in self._seen
         ]
         if first and ran:
-            ran = await self._not_yet_audited(ran, started)
+            ran = await self._not_yet_audited(ran, last)
         claims = sorted({c for c in (_claim(job) for job in ran) if c is not None})
         watched = await self._ever_named(claims) if claims else set()
         ran = [job for job in ran if (_claim(job), job.scheduler_job_id) not in watched]
@@ -290,13 +293,13 @@ class JobSweep:
         floor = started - self.lookback
         return floor if kept is None else min(started, max(kept, floor))
 
-    async def _not_yet_audited(self, jobs: list[ListedJob], started: float) -> list[ListedJob]:
+    async def _not_yet_audited(self, jobs: list[ListedJob], window_start: float) -> list[ListedJob]:
         """The jobs this host's audit log holds no sweep record of on this cluster: an earlier poller cancelled
         or reported them (live or ended). Nothing can have audited a job before it was submitted, so the log is
-        read back only that far (at most twice ``sweep_lookback``)."""
+        read back only that far, and never more than ``sweep_lookback`` before the window read."""
         submitted = [job.submitted_at.timestamp() for job in jobs if job.submitted_at is not None]
-        since = min([*submitted, started - self.lookback]) - ENDED_MARGIN
-        since = max(since, started - 2 * self.lookback)
+        since = min([*submitted, window_start]) - ENDED_MARGIN
+        since = max(since, window_start - ENDED_MARGIN - self.lookback)
         events = await asyncio.to_thread(
             events_since, self.audit.path, datetime.fromtimestamp(since, UTC), SWEEP_EVENTS
         )
