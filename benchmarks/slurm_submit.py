@@ -16,17 +16,20 @@ All jobs are submitted held (``--hold``: they never run; PSI/J's with ``--begin`
 has no flag without a value), named ``vehpc-bench-<run>-*``, and cancelled at the end (also after an error).
 Figures go to ``docs/benchmarks.md``. Each round runs, one submission at a time and side by side:
 
-* raw loop: a plain loop of the transport's own submission, as the same tenant account the adapter submits as
-  (``sbatch --parsable --hold`` in one bash loop that runs as the account for the CLI; ``sbatch`` over one kept SSH
-  login of the account, with its own key; keep-alive ``POST /slurm/<v>/job/submit`` with SlurmUser's token and
-  ``X-SLURM-USER-NAME: <account>`` for slurmrestd), into the account's own job directory.
+* raw loop: a plain loop of the transport's own submission, as the same tenant account the adapter submits as,
+  into the account's own job directory: for the CLI a bash loop of ``sbatch --parsable --hold``, each through the
+  adapter's ``switch_user`` (``runuser -u <account> --`` by default), and beside it the same loop running inside
+  the account (no switch per command); ``sbatch`` over one kept SSH login of the account, with its own key;
+  keep-alive ``POST /slurm/<v>/job/submit`` with SlurmUser's token and ``X-SLURM-USER-NAME: <account>`` for
+  slurmrestd.
 * the adapter as the submit activity's first attempt calls it when it runs on time (``alone_until`` ahead: no
   retry can have started, so ``sbatch`` and nothing else).
 * the adapter with a check for duplicates after each submission (one controller query): what every first attempt
   paid before, and what an attempt past its window (a zombie) still pays.
 * PSI/J's SLURM executor (``psij-python``, if installed: ``pip install psij-python``; a benchmark dependency, not
-  the project's), one ``submit`` at a time. PSI/J submits with the local ``sbatch`` only: its figure is printed
-  beside every transport as the peer's rate on this cluster.
+  the project's), one ``submit`` at a time. PSI/J submits with the local ``sbatch`` only, as this process's own
+  account (root here: it has no way to submit as another account): its figure is printed beside every transport
+  as the peer's rate on this cluster.
 
 ``--concurrent`` adds the adapter with ``--concurrency`` submits in flight (a worker runs many submit activities
 at once), and ``--jobs`` watchers the batching part: one watcher per job calls ``StatusBatcher.status`` round
@@ -42,6 +45,7 @@ import contextlib
 import json
 import os
 import pwd
+import shlex
 import signal
 import statistics
 import subprocess
@@ -58,7 +62,7 @@ from activities.schedulers.base import SubmitRequest
 from activities.schedulers.batcher import StatusBatcher
 from activities.schedulers.slurm import SlurmAdapter
 from activities.schedulers.slurm.script import plan_submission, render_rest_job
-from activities.schedulers.slurm.transports import SSHRunner
+from activities.schedulers.slurm.transports import AccountRunner, LocalRunner, SSHRunner
 from virtengine_hpc.config import Secrets, load_config
 from virtengine_hpc.errors import SchedulerUnavailable
 from virtengine_hpc.models import JobSpec
@@ -149,17 +153,23 @@ def tenant_dir(env: dict[str, Any]) -> str:
     return f"{env['jobs_dir']}/{tenant_account(env)}"
 
 
-def raw_sbatch_loop(env: dict[str, Any], run: str, count: int) -> tuple[float, list[str]]:
-    """A plain bash loop of ``sbatch --parsable --hold`` run as the tenant's account: the CLI's raw rate."""
+def raw_sbatch_loop(
+    env: dict[str, Any], run: str, count: int, switch: str | None = None
+) -> tuple[float, list[str]]:
+    """A plain bash loop of ``sbatch --parsable --hold`` as the tenant's account: each ``sbatch`` through
+    ``switch`` (``runuser``, ``setpriv``, ``sudo``: the cli transport as the adapter runs it), or, with no
+    ``switch``, the whole loop running as the account (what ``sbatch`` alone costs that account)."""
+    account = tenant_account(env)
+    per_command = shlex.join(AccountRunner(LocalRunner(), account, switch).prefix) if switch else ""
     script = (
-        f"for i in $(seq {count}); do sbatch --parsable --hold -J vehpc-bench-{run}-raw-$i "
+        f"for i in $(seq {count}); do {per_command} sbatch --parsable --hold -J vehpc-bench-{run}-raw-$i "
         f"-A {env['account']} -D {tenant_dir(env)} -o /dev/null --wrap true; done"
     )
-    entry = pwd.getpwnam(tenant_account(env))
+    entry = pwd.getpwnam(account)
     as_account = ["setpriv", f"--reuid={entry.pw_uid}", f"--regid={entry.pw_gid}", "--init-groups", "--"]
     started = time.perf_counter()
     out = subprocess.run(
-        [*as_account, "bash", "-c", script],
+        [*([] if switch else as_account), "bash", "-c", script],
         cwd="/",
         env={**os.environ, "SLURM_CONF": env["slurm_conf"]},
         capture_output=True,
@@ -386,9 +396,11 @@ def cancel_run(env: dict[str, Any], run: str) -> int:
     return len(ids)
 
 
-async def raw_loop(env: dict[str, Any], transport: str, run: str, count: int) -> tuple[float, list[str]]:
+async def raw_loop(
+    env: dict[str, Any], transport: str, run: str, count: int, switch: str | None = None
+) -> tuple[float, list[str]]:
     if transport == "cli":
-        return raw_sbatch_loop(env, run, count)
+        return raw_sbatch_loop(env, run, count, switch)
     if transport == "ssh":
         return await raw_ssh_loop(env, run, count)
     return await raw_rest_loop(env, run, count)
@@ -400,11 +412,16 @@ async def one_at_a_time(
     """Alternating rounds of the raw loop, the adapter (first attempt on time, and with the check), PSI/J."""
     adapter = make_adapter(env, transport, args.switch_user)
     rates: dict[str, list[float]] = {"raw": [], "first_attempt": [], "checked": [], "psij": []}
+    switch = adapter.config.switch_user if transport == "cli" else None
     n = 0
     try:
         await adapter.status_batch(["1"])  # connect and check the cluster outside the timings
         for r in range(args.submit_rounds):
-            rates["raw"].append((await raw_loop(env, transport, f"{run}{transport}r{r}", args.raw))[0])
+            raw_run = f"{run}{transport}r{r}"
+            rates["raw"].append((await raw_loop(env, transport, raw_run, args.raw, switch))[0])
+            if switch is not None:  # the loop inside the account: no switch per command
+                rate = raw_sbatch_loop(env, f"{raw_run}a", args.raw)[0]
+                rates.setdefault("raw_in_account", []).append(rate)
             for key, alone, count in (
                 ("first_attempt", True, args.sequential),
                 ("checked", False, args.checked),
@@ -431,7 +448,7 @@ async def one_at_a_time(
     return {
         "transport": transport,
         "account": tenant_account(env),
-        "switch_user": adapter.config.switch_user if transport == "cli" else None,
+        "switch_user": switch,
         "load_average": [round(x, 2) for x in os.getloadavg()],
         "per_s": {k: [round(x, 1) for x in v] for k, v in rates.items() if v},
         "median_per_s": {k: round(v, 1) for k, v in medians.items()},
@@ -462,6 +479,13 @@ def print_table(results: list[dict[str, Any]]) -> None:
     for result in results:
         cells = [_cell(result, k) for k in ("raw", "first_attempt", "checked", "psij")]
         print(f"{result['transport']:9} {cells[0]:>19} {cells[1]:>26} {cells[2]:>26} {cells[3]:>26}")
+        inside = result["median_per_s"].get("raw_in_account")
+        if inside:
+            print(
+                f"  (cli: the raw loop runs each sbatch through {result['switch_user']}, as the adapter does; the "
+                f"loop running inside the account: {_cell(result, 'raw_in_account')}, first attempt "
+                f"{result['median_per_s']['first_attempt'] / inside:.2f} of it)"
+            )
 
 
 async def concurrent_and_batching(
