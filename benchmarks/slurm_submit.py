@@ -426,6 +426,8 @@ async def one_at_a_time(
                 ("first_attempt", True, args.sequential),
                 ("checked", False, args.checked),
             ):
+                if not count:
+                    continue
                 try:
                     rate, _ = await adapter_sequential(adapter, f"{run}{transport}", n, count, alone=alone)
                 except (
@@ -543,7 +545,7 @@ async def main() -> None:
         type=int,
         default=20,
         help="jobs per round of the adapter checking after each submit (slow over slurmrestd: its check lists "
-        "every job the controller holds)",
+        "every job the controller holds; 0 leaves it out)",
     )
     parser.add_argument("--submit-rounds", type=int, default=3, help="alternating rounds")
     parser.add_argument("--no-psij", action="store_true", help="leave PSI/J out even if installed")

@@ -37,6 +37,7 @@ import abc
 import asyncio
 import logging
 import re
+from collections import Counter
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -688,12 +689,15 @@ class AccountExecutors:
         user: str,
         factory: Callable[[str], CommandExecutor] | None = None,
         dirs: TenantDirs | None = None,
+        calls: Counter[str] | None = None,
     ) -> None:
+        """``calls`` counts the ``stat`` commands of the directory checks (the backend's query counter)."""
         self.own = own
         self.user = user
         self._factory = factory
         self._accounts: dict[str, CommandExecutor] = {}
         self.dirs = dirs or remote_tenant_dirs(self.stat, user)
+        self.calls: Counter[str] = Counter() if calls is None else calls
 
     def get(self, account: str | None) -> CommandExecutor:
         if account is None or account == self.user:
@@ -768,6 +772,7 @@ class AccountExecutors:
 
     async def stat(self, argv: list[str]) -> tuple[int, str]:
         """``stat`` as the provider's own account: exit 1 names a path that does not exist, an answer."""
+        self.calls["stat"] += 1
         result = await self.own.run(
             argv, what="stat of the work directory", ok=lambda r: r.exit_code in (0, 1)
         )

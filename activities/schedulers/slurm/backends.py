@@ -226,7 +226,9 @@ class CliBackend(SlurmBackend):
         self.lookup_users = tuple(lookup_users) or (user,)
         self.lookback = f"now-{lookback_days}days"
         self.description = executor.runner.description
-        self.executors = AccountExecutors(executor, user=user, factory=executor_as, dirs=tenant_dirs)
+        self.executors = AccountExecutors(
+            executor, user=user, factory=executor_as, dirs=tenant_dirs, calls=self.calls
+        )
 
     async def _run(
         self,
