@@ -61,6 +61,10 @@ class AttemptProgress(Model):
         None,
         description="watch_job: since when the scheduler has not found the job (the vanished-job grace).",
     )
+    queued_reported: bool = Field(
+        False,
+        description="submit_job: the job was reported queued (chain, audit, monitor) with its submission.",
+    )
     error: str | None = Field(None, max_length=200, description="The last scheduler error, for operators.")
 
 

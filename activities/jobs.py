@@ -63,6 +63,7 @@ from virtengine_hpc.messages import (
     TransitionInput,
     UsageInput,
     UsageOutput,
+    WatchEntry,
     WatchInput,
     WatchOutput,
     WatchRegistration,
@@ -357,7 +358,56 @@ class JobActivities:
                 )
             raise to_application_error(exc) from None
         self._audit_submission(request, result, attempt, heartbeated=known is not None)
-        return SubmitOutput(scheduler_job_id=result.scheduler_job_id, adopted=result.adopted)
+        reported = await self._report_queued(request, result.scheduler_job_id, attempt)
+        return SubmitOutput(
+            scheduler_job_id=result.scheduler_job_id, adopted=result.adopted, reported=reported
+        )
+
+    async def _report_queued(self, request: SubmitInput, scheduler_job_id: str, attempt: Attempt) -> bool:
+        """Report the job queued with its submission (``SubmitInput.report``), so the workflow needs no step of
+        its own for it. An attempt that finds the report sent by an earlier one (heartbeated) does not send it
+        again."""
+        report = request.report
+        if report is None:
+            return False
+        if attempt.progress.queued_reported:
+            return True
+        watch = None
+        if report.monitor is not None:
+            entry = WatchEntry(scheduler_job_id=scheduler_job_id, state=JobState.QUEUED)
+            watch = WatchRegistration(workflow_id=request.workflow_id, monitor=report.monitor, entry=entry)
+        transition = TransitionInput(
+            job_id=request.job.job_id,
+            cluster_id=request.cluster_id,
+            old_state=report.old_state,
+            new_state=JobState.QUEUED,
+            event=report.event,
+            message=report.message,
+            scheduler_job_id=scheduler_job_id,
+            tenant=report.tenant,
+            watch=watch,
+        )
+        if not await self._report_along(transition, attempt):
+            return False
+        attempt.record(queued_reported=True)
+        return True
+
+    async def _report_along(self, transition: TransitionInput, attempt: Attempt) -> bool:
+        """Report a transition along with the step that caused it (a submission, a final record). One that fails
+        is left to the workflow, which sends it with its own retries: the step's work stands, and the chain being
+        busy spends none of its attempts."""
+        try:
+            await heartbeating(self._report_transition(transition, lifecycle_audit=True), attempt)
+        except ApplicationError as err:
+            log.warning(
+                "job %s: %s not reported with its step (the workflow reports it): %s",
+                transition.job_id,
+                transition.new_state.value,
+                err,
+                extra={"job_id": transition.job_id},
+            )
+            return False
+        return True
 
     def _audit_security(self, request: SubmitInput, exc: HPCError) -> None:
         """A submission stopped by what looks like another account's doing (a link in place of the tenant's job
@@ -655,6 +705,10 @@ class JobActivities:
     @activity.defn(name="report_transition")
     async def report_transition(self, request: TransitionInput) -> None:
         """Lifecycle callback: audit ``job_lifecycle_event`` and report the new state to the chain."""
+        first = activity.info().attempt == 1 and not request.lifecycle_audited
+        await self._report_transition(request, lifecycle_audit=first)
+
+    async def _report_transition(self, request: TransitionInput, *, lifecycle_audit: bool) -> None:
         details = {
             "from": request.old_state.value,
             "to": request.new_state.value,
@@ -663,7 +717,7 @@ class JobActivities:
             "message": request.message,
             "exit_code": request.exit_code,
         }
-        if activity.info().attempt == 1:
+        if lifecycle_audit:
             self.audit.record(
                 "job_lifecycle_event", job_id=request.job_id, cluster_id=request.cluster_id, details=details
             )
@@ -725,10 +779,13 @@ class JobActivities:
         the chain answers "duplicate" (an earlier attempt's record got there first), the stored record is read
         back and carried forward, so the records always add up to the final accounting.
         """
-        out = await self._report_usage(request, Attempt.current())
+        attempt = Attempt.current()
+        out = await self._report_usage(request, attempt)
         if request.watch is not None:
             # The job's monitor sends its next period records from now on (one registration, no step of its own).
             await self._tell_monitor(request.watch)
+        if request.then_report is not None and request.is_final and out.record_id is not None:
+            out = out.model_copy(update={"reported": await self._report_along(request.then_report, attempt)})
         # The workflow's clock stands still while a local activity runs: this says when the report really ended.
         return out.model_copy(update={"answered_at": datetime.now(UTC)})
 

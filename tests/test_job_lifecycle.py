@@ -29,7 +29,7 @@ from activities.schedulers.base import SubmitRequest, SubmitResult
 from tests.conftest import make_config
 from tests.memory_adapter import MemoryAdapter, Script, _Job
 from tests.pipeline_harness import TENANT, Pipeline, running_pipeline
-from virtengine_hpc.errors import ChainError, SchedulerError, SchedulerUnavailable
+from virtengine_hpc.errors import ChainError, ChainUnavailable, SchedulerError, SchedulerUnavailable
 from virtengine_hpc.messages import (
     JOB_WORKFLOW_NAME,
     JobResult,
@@ -42,7 +42,7 @@ from virtengine_hpc.models import JobSpec
 from virtengine_hpc.states import JobState
 from virtengine_hpc.usage import sum_metrics
 from workers.wiring import job_settings
-from workflows.hpc_job import initial_search_attributes
+from workflows.hpc_job import LOCAL_STEP_ATTEMPTS, initial_search_attributes
 
 Q, R, S, C = JobState.QUEUED, JobState.RUNNING, JobState.SUSPENDED, JobState.COMPLETED
 CANCELLED, FAILED, TIMEOUT = JobState.CANCELLED, JobState.FAILED, JobState.TIMEOUT
@@ -55,6 +55,8 @@ class FaultyChain:
         self.ledger = ledger
         self.refuse_status: dict[JobState, ChainError] = {}
         self.refuse_accounting: ChainError | None = None
+        # The next N reports of a state find the chain busy (a transient refusal, retried).
+        self.busy_status: dict[JobState, int] = {}
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.ledger, name)
@@ -63,6 +65,9 @@ class FaultyChain:
         refusal = self.refuse_status.get(report.state)
         if refusal is not None:
             raise refusal
+        if self.busy_status.get(report.state, 0) > 0:
+            self.busy_status[report.state] -= 1
+            raise ChainUnavailable("ledger is busy")
         await self.ledger.report_status(report)
 
     async def report_accounting(self, report: AccountingReport) -> Settlement:
@@ -196,6 +201,46 @@ async def test_temporal_cancel_while_the_submit_is_under_way_leaves_no_scheduler
     job = faulty.ledger.job(job_id)
     assert job is not None and job.state == CANCELLED
     assert faulty.ledger.balance(TENANT) == 100000, "a job that never ran is refunded in full"
+
+
+# ---- a busy chain --------------------------------------------------------------------------------------------------
+
+
+def lifecycle_of(p: Pipeline, job_id: str) -> list[str]:
+    return [e["details"]["event"] for e in p.audit_events("job_lifecycle_event", job_id=job_id)]
+
+
+async def test_a_queued_report_the_chain_is_too_busy_for_costs_the_submission_nothing(
+    faulty: Pipeline,
+) -> None:
+    """The submission reports the job queued itself; when the chain is busy the workflow reports it instead: the
+    job is submitted once (no submit attempt spent on the chain), reaches every state, and each is audited once."""
+    sched(faulty).default = Script([(0, Q), (0.3, R), (2.0, C)], exit_code=0)
+    chain(faulty).busy_status[Q] = 1
+    job_id = faulty.submit()
+    results = await faulty.run_until_done([job_id])
+    assert results[job_id].state == C and faulty.states_of(job_id) == [Q, R, C]
+    assert sched(faulty).submits == 1 and chain(faulty).busy_status[Q] == 0
+    assert lifecycle_of(faulty, job_id) == ["submitted", "started", "completed"]
+
+
+async def test_a_transition_the_chain_is_too_busy_for_goes_on_as_an_activity(faulty: Pipeline) -> None:
+    """A lifecycle report is a local activity; one the chain keeps refusing as busy runs on as an ordinary activity
+    (its retries cost the history nothing) after a few local attempts, and the job goes on as before."""
+    sched(faulty).default = Script([(0, Q), (0.3, R), (2.0, C)], exit_code=0)
+    chain(faulty).busy_status[R] = LOCAL_STEP_ATTEMPTS + 1
+    job_id = faulty.submit()
+    results = await faulty.run_until_done([job_id], timeout=120)
+    assert results[job_id].state == C and faulty.states_of(job_id) == [Q, R, C]
+    assert chain(faulty).busy_status[R] == 0
+    assert len(faulty.audit_events("status_report_failed", job_id)) == LOCAL_STEP_ATTEMPTS + 1
+    assert lifecycle_of(faulty, job_id) == ["submitted", "started", "completed"]
+    activities = [
+        e.activity_task_scheduled_event_attributes.activity_type.name
+        async for e in faulty.handle(job_id).fetch_history_events()
+        if e.HasField("activity_task_scheduled_event_attributes")
+    ]
+    assert activities == ["submit_job", "report_transition"], "only the busy report ran as an activity"
 
 
 # ---- a step that fails for good ----------------------------------------------------------------------------------

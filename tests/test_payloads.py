@@ -125,6 +125,15 @@ def payloads_of(events: list[Any]) -> list[tuple[str, bytes, int]]:
         elif event.HasField("workflow_execution_signaled_event_attributes"):
             attrs = event.workflow_execution_signaled_event_attributes
             add(attrs.signal_name, attrs.input)
+        elif event.HasField("marker_recorded_event_attributes"):
+            # A local activity leaves its result in its marker (its input never reaches the server).
+            details = event.marker_recorded_event_attributes.details
+            if (
+                event.marker_recorded_event_attributes.marker_name == "core_local_activity"
+                and "result" in details
+            ):
+                data = json.loads(details["data"].payloads[0].data)
+                add(data["activity_type"], details["result"])
     return out
 
 
@@ -284,12 +293,17 @@ def test_a_reference_at_its_largest_fits_every_budget() -> None:
         JobRef,
         JobSettings,
         JobWorkflowInput,
+        MonitorSettings,
         ParkInput,
         RecoverOutput,
         RouteRequest,
         SubmitInput,
+        SubmitReport,
+        TransitionInput,
         UsageInput,
+        WatchEntry,
         WatchInput,
+        WatchRegistration,
     )
     from virtengine_hpc.models import Resources, UsageMetrics
 
@@ -334,15 +348,36 @@ def test_a_reference_at_its_largest_fits_every_budget() -> None:
         ),
         job_state=JobState.RUNNING,
     )
+    # What a submission and a final record report along: the longest message, the monitor's longest queue.
+    monitor = MonitorSettings(cluster_id="c" * 128, task_queue="q" * 256, poll_interval_seconds=15.0)
+    terminal = TransitionInput(
+        job_id=ref.job_id,
+        cluster_id="c" * 128,
+        old_state=JobState.RUNNING,
+        new_state=JobState.FAILED,
+        message="m" * 1024,
+        exit_code=255,
+        scheduler_job_id="9" * 64,
+        tenant=ref.tenant,
+        watch=WatchRegistration(
+            workflow_id=ref.job_id,
+            monitor=monitor,
+            entry=WatchEntry(scheduler_job_id="9" * 64, state=JobState.FAILED, start_time=now),
+        ),
+    )
+    queued = SubmitReport(old_state=JobState.PENDING, message="m" * 1024, tenant=ref.tenant, monitor=monitor)
     sizes = {
         "workflow input": size(
             JobWorkflowInput(job=ref, cluster_id="c" * 128, provider=ref.provider, settings=JobSettings())
         ),
         "route_job": size(RouteRequest(job=ref, cluster_id="c" * 128, workflow_id=ref.job_id)),
         "submit_job": size(
-            SubmitInput(workflow_id=ref.job_id, job=ref, cluster_id="c" * 128, partition="q" * 64)
+            SubmitInput(
+                workflow_id=ref.job_id, job=ref, cluster_id="c" * 128, partition="q" * 64, report=queued
+            )
         ),
-        "report_usage": size(usage),
+        "report_usage": size(usage.model_copy(update={"then_report": terminal, "is_final": True})),
+        "report_transition": size(terminal),
         "watch_job": size(
             WatchInput(
                 job_id=ref.job_id,

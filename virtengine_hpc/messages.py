@@ -349,6 +349,11 @@ class SubmitInput(Model):
         description="An earlier run of the workflow may have submitted the job (this run was made by a reset): "
         "even a first attempt looks the job up and adopts it, and checks for duplicates after a submission.",
     )
+    report: SubmitReport | None = Field(
+        None,
+        description="Report the job queued once the scheduler has it (chain, audit and the cluster's monitor), "
+        "as ``report_transition`` would: the workflow then needs no step of its own for it. None: it reports it.",
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -356,9 +361,25 @@ class SubmitInput(Model):
         return _without(data, "body", "exclusive")
 
 
+class SubmitReport(Model):
+    """The transition a submission reports itself: from ``old_state`` to queued, once the scheduler has the job."""
+
+    old_state: JobState
+    event: LifecycleEvent | None = None
+    message: str = Field("", max_length=1024)
+    tenant: str = ""
+    monitor: MonitorSettings | None = Field(
+        None, description="The cluster's monitor to tell (None: the job is not watched by a monitor)."
+    )
+
+
 class SubmitOutput(Model):
     scheduler_job_id: str
     adopted: bool = False
+    reported: bool = Field(
+        False,
+        description="``SubmitInput.report`` reached the chain and the monitor; False: the workflow reports it.",
+    )
 
 
 class FindInput(Model):
@@ -419,6 +440,11 @@ class TransitionInput(Model):
         None,
         description="Tell the cluster's monitor where the job now stands (a job watched by its cluster's monitor "
         "reports each transition there too; a final state ends the watch).",
+    )
+    lifecycle_audited: bool = Field(
+        False,
+        description="An earlier step audited this transition's ``job_lifecycle_event`` (local attempts before "
+        "this activity, or the step it was to be reported with): it is not audited again.",
     )
 
 
@@ -582,6 +608,11 @@ class UsageInput(Model):
         description="Once the record is on chain, register the job with its cluster's monitor this way (its "
         "``report_due`` set: the monitor sends the job's next period records).",
     )
+    then_report: TransitionInput | None = Field(
+        None,
+        description="With is_final: report this transition (the job's final state) once the record and its "
+        "accounting are sent, as ``report_transition`` would; ``UsageOutput.reported`` says whether it went.",
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -652,8 +683,14 @@ class UsageOutput(Model):
         "still while a local activity runs (retries included), so the workflow times its next step from this. "
         "None from releases before it.",
     )
+    reported: bool = Field(
+        False, description="``UsageInput.then_report`` reached the chain; False: the workflow reports it."
+    )
 
 
+SubmitInput.model_rebuild()
+UsageInput.model_rebuild()
+SubmitReport.model_rebuild()
 TransitionInput.model_rebuild()
 WatchInput.model_rebuild()
 WatchOutput.model_rebuild()

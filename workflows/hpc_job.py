@@ -17,6 +17,7 @@ import asyncio
 import functools
 from collections.abc import Awaitable, Callable
 from datetime import datetime, timedelta
+from typing import Any
 
 from temporalio import workflow
 from temporalio.common import RetryPolicy, SearchAttributeKey, SearchAttributePair, TypedSearchAttributes
@@ -49,6 +50,7 @@ with workflow.unsafe.imports_passed_through():
         RouteRequest,
         SubmitInput,
         SubmitOutput,
+        SubmitReport,
         TransitionInput,
         UsageInput,
         UsageOutput,
@@ -123,10 +125,22 @@ records it from the signal and keeps no report timer (a signal and a workflow ta
 workflow task and a local activity), and reports itself only when its monitor has sent nothing for
 ``max_watch_seconds``. Asked at a job's first period report of a run: a run that began before it reports as before.
 """
+PATCH_LOCAL_CHAIN_STEPS = "local-chain-steps"
+"""Since 0.4: routing, lifecycle reports and the final usage record run as local activities (one history event each
+instead of six), the submission reports the job queued itself, and a run records this one marker where it recorded
+``PATCH_NO_JOB_LEFT_BEHIND`` and ``PATCH_CLUSTER_MONITOR`` (both implied): a short job's history halves. Decided
+once per run, so runs that began before it replay as they ran."""
+LOCAL_STEP_TIMEOUT = timedelta(seconds=10)
+LOCAL_STEP_ATTEMPTS = 3
+"""A local step's attempts (each at most ``LOCAL_STEP_TIMEOUT``) before it runs as an ordinary activity: a local
+activity keeps its workflow task open, extended every 8 s at three events each, so a slow or unreachable chain would
+grow the history for as long as it lasts, where an ordinary activity costs six events and its retries none. (A
+local activity's schedule-to-close timeout does not bound its retries on this SDK: counted attempts do.)"""
 CANCEL_BACKOFF_CAP = timedelta(minutes=5)
 _MIN_TIMER = timedelta(milliseconds=100)
 _DONE = object()
 """What ``_guarded`` returns for a step that ran to its end."""
+_ACCEPTED = "accepted by the scheduler"
 _NON_RETRYABLE = [
     "ValidationError",
     "ConfigError",
@@ -161,6 +175,7 @@ class HPCJobWorkflow:
         self.charged: str | None = None
         self.refunded: str | None = None
         self.v2 = False  # PATCH_NO_JOB_LEFT_BEHIND, decided when the run starts
+        self.local = False  # PATCH_LOCAL_CHAIN_STEPS, decided when the run starts
         self.by_monitor = False  # PATCH_CLUSTER_MONITOR, decided when the run starts
         self.observed: NativeStatus | None = None  # the monitor's latest news, not yet applied
         self._timer: asyncio.Future[None] | None = None
@@ -272,12 +287,17 @@ class HPCJobWorkflow:
 
     @workflow.run
     async def run(self, inp: JobWorkflowInput) -> JobResult:
-        self.v2 = workflow.patched(PATCH_NO_JOB_LEFT_BEHIND)
-        # The monitor is the default (hpc.job_service.cluster_monitor); a job started with it off records no
-        # marker and takes the watch-activity path, as before the monitor existed, and so does the replay of a run
-        # that began before it: whichever way a run began, it keeps.
+        # One marker for a new run: the local steps imply the two patches before them (asked, in this order, only
+        # of a run that began before it, whose replay finds their markers as they were recorded).
+        self.local = workflow.patched(PATCH_LOCAL_CHAIN_STEPS)
+        self.v2 = self.local or workflow.patched(PATCH_NO_JOB_LEFT_BEHIND)
+        # The monitor is the default (hpc.job_service.cluster_monitor); a job started with it off takes the
+        # watch-activity path, as before the monitor existed, and so does the replay of a run that began before
+        # it: whichever way a run began, it keeps.
         self.by_monitor = (
-            self.v2 and self.settings.cluster_monitor and workflow.patched(PATCH_CLUSTER_MONITOR)
+            self.v2
+            and self.settings.cluster_monitor
+            and (self.local or workflow.patched(PATCH_CLUSTER_MONITOR))
         )
         if self.v2:
             await self._drive_to_the_end()
@@ -520,13 +540,22 @@ class HPCJobWorkflow:
         if self.c.cancel_requested:
             await self._close_unsubmitted()
             return
-        outcome: RouteOutcome = await workflow.execute_activity(
-            "route_job",
-            RouteRequest(job=self.job, cluster_id=self.c.cluster_id, workflow_id=workflow.info().workflow_id),
-            start_to_close_timeout=timedelta(seconds=60),
-            retry_policy=self._retry(unlimited=True),
-            result_type=RouteOutcome,
+        request = RouteRequest(
+            job=self.job, cluster_id=self.c.cluster_id, workflow_id=workflow.info().workflow_id
         )
+        outcome: RouteOutcome
+        if self.local:
+            outcome = await self._chain_step(
+                "route_job", request, timeout=timedelta(seconds=60), result_type=RouteOutcome
+            )
+        else:
+            outcome = await workflow.execute_activity(
+                "route_job",
+                request,
+                start_to_close_timeout=timedelta(seconds=60),
+                retry_policy=self._retry(unlimited=True),
+                result_type=RouteOutcome,
+            )
         if not outcome.accepted:
             if self._ended_on_chain(outcome):
                 return
@@ -540,6 +569,7 @@ class HPCJobWorkflow:
             return
         if self.v2:
             self.c = self.c.model_copy(update={"submit_started": True})
+        looked_up = False
         try:
             submitted: SubmitOutput = await workflow.execute_activity(
                 "submit_job",
@@ -550,6 +580,7 @@ class HPCJobWorkflow:
                     partition=outcome.partition,
                     max_attempts=self.settings.retry.max_retries + 1,
                     look_first=self._replaces_a_run(),
+                    report=self._queued_report(),
                 ),
                 task_queue=self.c.task_queue,
                 start_to_close_timeout=timedelta(seconds=300),
@@ -571,9 +602,28 @@ class HPCJobWorkflow:
             if recovered is None:
                 await self._finish(JobState.FAILED, f"submission failed: {_cause(err)}")
                 return
-            submitted = recovered
+            submitted, looked_up = recovered, True
+        if submitted.reported:  # (only asked for on the local path)
+            self._adopt(submitted.scheduler_job_id, state=JobState.QUEUED)
+            self._entered(self.c.state, JobState.QUEUED, _ACCEPTED, watched=self.by_monitor)
+            return
         self._adopt(submitted.scheduler_job_id)
-        await self._transition(JobState.QUEUED, LifecycleEvent.SUBMITTED, "accepted by the scheduler")
+        # A submission that was to report it tried, and audited it first (one found by a lookup may not have).
+        audited = self.local and not looked_up
+        await self._transition(JobState.QUEUED, LifecycleEvent.SUBMITTED, _ACCEPTED, audited=audited)
+
+    def _queued_report(self) -> SubmitReport | None:
+        """What the submission reports once the scheduler has the job (on the local path): queued."""
+        if not self.local:
+            return None
+        monitor = self._monitor_settings() if self.by_monitor else None
+        return SubmitReport(
+            old_state=self.c.state,
+            event=LifecycleEvent.SUBMITTED,
+            message=_ACCEPTED,
+            tenant=self.job.tenant,
+            monitor=monitor,
+        )
 
     def _ended_on_chain(self, outcome: RouteOutcome) -> bool:
         """The job has already ended on chain: the workflow ends with the chain's state, reporting nothing."""
@@ -592,11 +642,15 @@ class HPCJobWorkflow:
         info = workflow.info()
         return info.run_id != info.original_execution_run_id and workflow.patched(PATCH_RESET_RUN_LOOKS_FIRST)
 
-    def _adopt(self, scheduler_job_id: str) -> None:
+    def _adopt(self, scheduler_job_id: str, *, state: JobState | None = None) -> None:
+        """The job has its scheduler id (and, when the submission reported it, its new state: one upsert)."""
         self.c = self.c.model_copy(
             update={"scheduler_job_id": scheduler_job_id, "submitted_at": workflow.now()}
         )
-        workflow.upsert_search_attributes([SA_SCHEDULER_JOB.value_set(scheduler_job_id)])
+        updates = [SA_SCHEDULER_JOB.value_set(scheduler_job_id)]
+        if state is not None:
+            updates.append(SA_STATE.value_set(state.value))
+        workflow.upsert_search_attributes(updates)
 
     async def _close_unsubmitted(self) -> None:
         """Cancelled (or closing after an error) before the job had a scheduler id.
@@ -847,19 +901,22 @@ class HPCJobWorkflow:
             report_due = last + timedelta(seconds=self.settings.report_interval_seconds)
         return WatchRegistration(
             workflow_id=workflow.info().workflow_id,
-            monitor=MonitorSettings(
-                cluster_id=self.c.cluster_id,
-                task_queue=self.c.task_queue or workflow.info().task_queue,
-                poll_interval_seconds=self.settings.poll_interval_seconds,
-                vanished_grace_seconds=self.settings.vanished_grace_seconds,
-                heartbeat_timeout_seconds=self.settings.heartbeat_timeout_seconds,
-            ),
+            monitor=self._monitor_settings(),
             entry=WatchEntry(
                 scheduler_job_id=self.c.scheduler_job_id,
                 state=state,
                 start_time=start,
                 report_due=report_due if self.settings.usage_enabled else None,
             ),
+        )
+
+    def _monitor_settings(self) -> MonitorSettings:
+        return MonitorSettings(
+            cluster_id=self.c.cluster_id,
+            task_queue=self.c.task_queue or workflow.info().task_queue,
+            poll_interval_seconds=self.settings.poll_interval_seconds,
+            vanished_grace_seconds=self.settings.vanished_grace_seconds,
+            heartbeat_timeout_seconds=self.settings.heartbeat_timeout_seconds,
         )
 
     def _watch_plan(
@@ -983,46 +1040,143 @@ class HPCJobWorkflow:
                 update={"final_state": final, "final_message": message, "final_partial": partial}
             )
         if ran and not self.c.final_sent:  # with usage reporting off too: the job settles on its accounting
+            # On the local path the final record's step reports the final state too, once the record is sent.
+            then = self._transition_input(final, lifecycle_event(self.c.state, final), message)
+            reported = False
 
             async def final_usage() -> None:
-                await self._report_usage(final=True, final_state=final, partial=partial)
+                nonlocal reported
+                reported = await self._report_usage(
+                    final=True, final_state=final, partial=partial, then=then if self.local else None
+                )
 
             await self._until_done("the final usage record and accounting", final_usage)
+            if reported:
+                workflow.upsert_search_attributes([SA_STATE.value_set(final.value)])
+                self._entered(then.old_state, final, message, watched=then.watch is not None)
+                return
+        # (a final record sent on the local path tried to report the final state along, and audited it first)
+        audited = self.local and ran
 
         async def terminal_report() -> None:
-            await self._transition(final, lifecycle_event(self.c.state, final), message)
+            event = lifecycle_event(self.c.state, final)
+            await self._transition(final, event, message, audited=audited)
 
         await self._until_done(f"the terminal status ({final.value})", terminal_report)
 
     async def _transition(
-        self, new: JobState, event: LifecycleEvent | None, message: str, *, began: datetime | None = None
+        self,
+        new: JobState,
+        event: LifecycleEvent | None,
+        message: str,
+        *,
+        began: datetime | None = None,
+        audited: bool = False,
     ) -> None:
-        old = self.c.state
-        watch = self._registration(new, began)
-        await workflow.execute_activity(
-            "report_transition",
-            TransitionInput(
-                job_id=self.job.job_id,
-                cluster_id=self.c.cluster_id,
-                old_state=old,
-                new_state=new,
-                event=event,
-                message=message[:1024] if self.v2 else message,
-                exit_code=self.c.exit_code if new.final else None,
-                scheduler_job_id=self.c.scheduler_job_id,
-                tenant=self.job.tenant,
-                watch=watch,
-            ),
-            start_to_close_timeout=timedelta(seconds=60),
-            retry_policy=self._retry(unlimited=True),
+        """Report the job's move to ``new`` and enter it (``audited``: the step that was to report it along
+        audited its lifecycle event already)."""
+        request = self._transition_input(new, event, message, began=began, audited=audited)
+        if self.local:
+            # Its local attempts audited the lifecycle event: an activity that takes over does not audit it again.
+            again = request.model_copy(update={"lifecycle_audited": True})
+            await self._chain_step(
+                "report_transition", request, timeout=timedelta(seconds=60), as_activity=again
+            )
+        else:
+            await workflow.execute_activity(
+                "report_transition",
+                request,
+                start_to_close_timeout=timedelta(seconds=60),
+                retry_policy=self._retry(unlimited=True),
+            )
+        workflow.upsert_search_attributes([SA_STATE.value_set(new.value)])
+        self._entered(request.old_state, new, message, watched=request.watch is not None, began=began)
+
+    def _transition_input(
+        self,
+        new: JobState,
+        event: LifecycleEvent | None,
+        message: str,
+        *,
+        began: datetime | None = None,
+        audited: bool = False,
+    ) -> TransitionInput:
+        """The report of the job's move from its state to ``new`` (and what its monitor is told of it)."""
+        return TransitionInput(
+            job_id=self.job.job_id,
+            cluster_id=self.c.cluster_id,
+            old_state=self.c.state,
+            new_state=new,
+            event=event,
+            message=message[:1024] if self.v2 else message,
+            exit_code=self.c.exit_code if new.final else None,
+            scheduler_job_id=self.c.scheduler_job_id,
+            tenant=self.job.tenant,
+            watch=self._registration(new, began),
+            lifecycle_audited=audited,
         )
+
+    def _entered(
+        self, old: JobState, new: JobState, message: str, *, watched: bool, began: datetime | None = None
+    ) -> None:
+        """The job is in its new state, reported (its search attribute is the caller's)."""
         self.c = self.c.model_copy(update={"state": new, "status_message": message})
-        if watch is not None:
+        if watched:
             self.c = self.c.model_copy(update={"monitored": not new.final})
             self._contact_at = workflow.now()
-        workflow.upsert_search_attributes([SA_STATE.value_set(new.value)])
         if self.v2:
             self._track_run_time(old, new, began)
+
+    async def _chain_step(
+        self,
+        activity: str,
+        arg: object,
+        *,
+        timeout: timedelta,
+        result_type: type | None = None,
+        heartbeat_timeout: timedelta | None = None,
+        as_activity: object | None = None,
+    ) -> Any:
+        """A step that needs only the chain and this worker: a local activity (one marker in history instead of
+        an activity's three events and the workflow task that follows). One that has not finished in
+        ``LOCAL_STEP_ATTEMPTS`` attempts runs on as an ordinary activity (with ``as_activity`` for input, when
+        given), with the retries an ordinary one has.
+
+        Raises ``ActivityError`` as an ordinary activity does: a local activity's failure arrives here as the
+        bare ``ApplicationError``, which is wrapped, so the callers' handling (the finish path, parking, closing
+        after an error) sees one kind of failure whichever way the step ran.
+        """
+        try:
+            return await workflow.execute_local_activity(
+                activity,
+                arg,
+                start_to_close_timeout=min(timeout, LOCAL_STEP_TIMEOUT),
+                retry_policy=self._retry(attempts=LOCAL_STEP_ATTEMPTS),
+                result_type=result_type,
+            )
+        except ApplicationError as err:
+            if err.non_retryable or err.type in _NON_RETRYABLE:
+                raise _failed_for_good(activity, err) from err
+            last: Exception = err
+        except ActivityError as err:
+            if _is_cancel(err):
+                raise
+            last = err
+        workflow.logger.warning(
+            "job %s: %s did not finish as a local activity in %d attempts, running it as an activity: %s",
+            self.job.job_id,
+            activity,
+            LOCAL_STEP_ATTEMPTS,
+            last,
+        )
+        return await workflow.execute_activity(
+            activity,
+            arg if as_activity is None else as_activity,
+            start_to_close_timeout=timeout,
+            heartbeat_timeout=heartbeat_timeout,
+            retry_policy=self._retry(unlimited=True),
+            result_type=result_type,
+        )
 
     def _track_run_time(self, old: JobState, new: JobState, began: datetime | None) -> None:
         """Keep the time the job has run, for its walltime: suspended time and the wait in the queue after a
@@ -1058,14 +1212,26 @@ class HPCJobWorkflow:
         final_state: JobState | None = None,
         partial: bool = False,
         watch: WatchRegistration | None = None,
-    ) -> None:
+        then: TransitionInput | None = None,
+    ) -> bool:
+        """Send a usage record (the final one with its accounting); True when ``then``, the transition a final
+        record reports along, went with it."""
         unlimited = final or self.settings.retry_on_failure
-        request = self._usage_input(final=final, final_state=final_state, partial=partial)
+        request = self._usage_input(final=final, final_state=final_state, partial=partial, then=then)
         if watch is not None:
             request = request.model_copy(update={"watch": watch})
         try:
             out: UsageOutput
-            if self.by_monitor and not final and self.c.task_queue is None:
+            if final and self.local and self.c.task_queue is None:
+                # The scheduler's final accounting, the record and the settlement, on this very worker.
+                out = await self._chain_step(
+                    "report_usage",
+                    request,
+                    timeout=timedelta(seconds=300),
+                    result_type=UsageOutput,
+                    heartbeat_timeout=self._heartbeat_timeout(),
+                )
+            elif self.by_monitor and not final and self.c.task_queue is None:
                 # A period record is a reading and a chain call on this very worker: a local activity costs one
                 # history event instead of three and a round trip through the server.
                 out = await workflow.execute_local_activity(
@@ -1097,24 +1263,30 @@ class HPCJobWorkflow:
                     self._report_failed_at = workflow.now()
                 else:
                     self.c = self.c.model_copy(update={"last_report_at": workflow.now()})
-            return  # (waiting for the monitor: the next try comes an interval after this one)
+            return False  # (waiting for the monitor: the next try comes an interval after this one)
         if watch is not None:
             # Registered: the monitor sends the next period records.
             self.c = self.c.model_copy(update={"reports_by_monitor": True, "monitored": True})
             self._contact_at = workflow.now()
         if out.record_id is None and not final:
-            return  # the job has ended: its final record follows once the monitor says so
+            return False  # the job has ended: its final record follows once the monitor says so
         if not final and out.sequence is not None and out.sequence < self.c.next_sequence:
-            return  # its monitor's signal brought this very record first
+            return False  # its monitor's signal brought this very record first
         self._record_sent(out)
         if final:
             if self.v2:
                 self.c = self.c.model_copy(update={"final_sent": True})
             self.final_record_id = out.record_id
             self.charged, self.refunded = out.charged, out.refunded
+        return out.reported
 
     def _usage_input(
-        self, *, final: bool, final_state: JobState | None = None, partial: bool = False
+        self,
+        *,
+        final: bool,
+        final_state: JobState | None = None,
+        partial: bool = False,
+        then: TransitionInput | None = None,
     ) -> UsageInput:
         assert self.c.scheduler_job_id is not None
         unlimited = final or self.settings.retry_on_failure
@@ -1134,6 +1306,7 @@ class HPCJobWorkflow:
             accept_partial=partial,
             max_attempts=0 if unlimited else self.settings.retry.max_retries + 1,
             until_end=self.by_monitor,
+            then_report=then,
         )
 
     def _record_sent(self, out: UsageOutput) -> None:
@@ -1324,15 +1497,32 @@ class HPCJobWorkflow:
         alive one must not lose its attempts to it (``hpc.job_service.activity_heartbeat_timeout``)."""
         return timedelta(seconds=self.settings.heartbeat_timeout_seconds)
 
-    def _retry(self, *, unlimited: bool = False) -> RetryPolicy:
+    def _retry(self, *, unlimited: bool = False, attempts: int | None = None) -> RetryPolicy:
         r = self.settings.retry
+        if attempts is None:
+            attempts = 0 if unlimited else r.max_retries + 1
         return RetryPolicy(
             initial_interval=timedelta(seconds=r.initial_backoff_seconds),
             maximum_interval=timedelta(seconds=r.max_backoff_seconds),
             backoff_coefficient=r.backoff_multiplier,
-            maximum_attempts=0 if unlimited else r.max_retries + 1,
+            maximum_attempts=attempts,
             non_retryable_error_types=_NON_RETRYABLE,
         )
+
+
+def _failed_for_good(activity: str, err: ApplicationError) -> ActivityError:
+    """A local activity's failure as an ordinary activity's (``ActivityError`` whose cause is the error)."""
+    wrapped = ActivityError(
+        f"{activity} failed",
+        scheduled_event_id=0,
+        started_event_id=0,
+        identity="",
+        activity_type=activity,
+        activity_id="",
+        retry_state=None,
+    )
+    wrapped.__cause__ = err
+    return wrapped
 
 
 def _refused(err: ActivityError, *, also_tenant: bool = False) -> bool:
