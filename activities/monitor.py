@@ -265,6 +265,16 @@ class MonitorActivities:
                 told.signed, told.report_at = attempt.progress.usage_record, None
             log.warning("period record %s of job %s not sent: %s", rid, workflow_id, exc)
             return False
+        except Exception:
+            # A fault outside the domain's errors (an adapter's or the chain client's): it is this job's alone, and
+            # the round goes on for the others. The job is looked at again at its next report time, with the record
+            # this attempt signed if it did (it may have landed).
+            told.signed, told.report_at = (
+                attempt.progress.usage_record,
+                next_report_due(asked.started_at, now, every),
+            )
+            log.exception("period record %s of job %s not sent", rid, workflow_id)
+            return False
         if out.record_id is None:
             told.signed, told.report_at = (
                 None,

@@ -386,3 +386,40 @@ async def test_a_job_whose_monitor_sends_nothing_reports_itself_without_a_gap(
     result = await s.result(job_id)
     records = assert_whole(s.ledger, job_id)
     assert result.usage_records == len(records)
+
+
+async def test_a_job_whose_reading_breaks_leaves_the_round_to_the_others(setup: Setup) -> None:
+    """One job's reading fails with an error outside the domain's (an adapter or chain fault the activities do not
+    map): the round goes on, sends the other job's record and tells it; the broken job is served again once its
+    reading works, and both settle whole."""
+    s = setup
+    broken, other = await s.start(), await s.start()
+    await s.served(broken)
+    await s.served(other)
+    await s.rounds.pause()
+    await s.caught_up(broken)
+    n = await s.caught_up(other)
+    await s.period_due(broken)
+    await s.period_due(other)
+    scheduler_id = next(jid for jid, j in s.adapter.jobs.items() if j.workflow_id == broken)
+    reading = s.adapter.usage
+
+    async def usage(scheduler_job_id: str) -> Any:
+        if scheduler_job_id == scheduler_id:
+            raise RuntimeError("the reading of this one job broke")
+        return await reading(scheduler_job_id)
+
+    s.adapter.usage = usage  # type: ignore[method-assign]
+    out = await s.round_by_hand(attempt=1)  # raised the broken job's error before: no record for anyone
+    assert out.reported == 1
+    assert await s.caught_up(other) == n + 1
+
+    heard = await signals(s, broken)
+    s.adapter.usage = reading  # type: ignore[method-assign]
+    s.rounds.auto = True
+    await until(lambda: signals(s, broken), lambda k: k > heard)
+    s.end(broken)
+    s.end(other)
+    for job_id in (broken, other):
+        result = await s.result(job_id)
+        assert result.usage_records == len(assert_whole(s.ledger, job_id))
