@@ -295,6 +295,8 @@ class CliBackend(SlurmBackend):
         this submission to ``sbatch``'s own round trip (a tenant's login over SSH)."""
         if not self.tenant_shell or account is None or account == self.user or plan.workdir is None:
             return None
+        if Path(plan.workdir).name != account:  # a directory of the job's own (never checked)
+            return None
         return self.executors.dirs.verified(plan.workdir)
 
     async def _sbatch(
