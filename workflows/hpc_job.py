@@ -187,6 +187,7 @@ class HPCJobWorkflow:
         # Its monitor sends the job's period records (c.reports_by_monitor) but went quiet: the job sends its own
         # until the monitor's next record arrives.
         self._fallen_back = False
+        self._stays_on_build = False  # another build is current, and this run does not move to it
         # (workflow.now() when a period report's local activity answered, the worker's clock at that moment)
         self._answered: tuple[datetime, datetime] | None = None
         self.recovered = False  # a recovery run has found where the job stands
@@ -854,14 +855,14 @@ class HPCJobWorkflow:
             self._timer = asyncio.ensure_future(workflow.sleep(delay))
             self._timer_at = now + delay
         timer = self._timer
-        # A job whose monitor sends its records wakes for nothing else while it runs: its history grows with
-        # every record, so it also wakes to continue as new when the history is long.
+        # A job whose monitor sends its records wakes for nothing else while it runs: it also wakes to continue
+        # as new, when its history (which grows with every record) is long or another build became current.
         await workflow.wait_condition(
             lambda: (
                 timer.done()
                 or self.observed is not None
                 or self._cancel_due()
-                or (self.c.reports_by_monitor and self._history_is_long())
+                or (self.c.reports_by_monitor and (self._history_is_long() or self._build_changed()))
             )
         )
 
@@ -1486,9 +1487,15 @@ class HPCJobWorkflow:
 
     def _new_build_is_current(self) -> bool:
         """Another build of the workers became current: continue as new onto it (docs/deploys.md)."""
-        return workflow.info().is_target_worker_deployment_version_changed() and workflow.patched(
-            PATCH_UPGRADE_ON_CONTINUE_AS_NEW
-        )
+        changed = workflow.info().is_target_worker_deployment_version_changed()
+        if changed and workflow.patched(PATCH_UPGRADE_ON_CONTINUE_AS_NEW):
+            return True
+        self._stays_on_build = changed  # (a run that began before it stays: nothing to wake for)
+        return False
+
+    def _build_changed(self) -> bool:
+        """Another build became current and this run moves to it at its next step."""
+        return workflow.info().is_target_worker_deployment_version_changed() and not self._stays_on_build
 
     def _heartbeat_timeout(self) -> timedelta:
         """How long Temporal waits for an activity's heartbeat before it gives the attempt up and retries it.
