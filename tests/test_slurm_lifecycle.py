@@ -82,9 +82,15 @@ async def test_suspended_and_requeued_time_does_not_count_against_walltime(
     # Walltime 60 s (+5 s slack): the suspended job is on the cluster well past 65 s but runs less than 60 s. (A
     # job that really overruns is still stopped: tests/test_job_lifecycle.py; the local cluster has room for two.)
     suspended = submit(pipe, "#!/bin/bash\nsleep 45\necho done\n", walltime_seconds=60)
-    # The requeued job runs about 35 s, is requeued, and runs its 40 s again: 75 s of its walltime of 90 (both
-    # runs count; the wait in the queue between them does not).
-    requeued = submit(pipe, "#!/bin/bash\nsleep 40\necho done\n", walltime_seconds=90)
+    # The requeued job runs until it is requeued (about 35 s), then 30 s: some 65 s of its walltime of 90 (both runs
+    # count; the wait in the queue between them does not). Its first run must not end on its own before the requeue:
+    # Slurm requeues a batch job that has already ended too, after the chain settled on that end (a first run of
+    # "sleep 40" did, on a loaded machine: settled completed, then held pending to run again).
+    requeued = submit(
+        pipe,
+        '#!/bin/bash\nif [ "${SLURM_RESTART_COUNT:-0}" -gt 0 ]; then sleep 30; echo done; exit 0; fi\nsleep 300\n',
+        walltime_seconds=90,
+    )
     for job_id in (suspended, requeued):
         await wait_chain_state(pipe, job_id, R)
     await asyncio.sleep(10)
