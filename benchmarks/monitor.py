@@ -280,6 +280,7 @@ async def run_design(
 
     workers: list[subprocess.Popen[bytes]] = []
     job_ids: list[str] = []
+    keep = False  # the run's directory (logs), kept when the design did not get through
     try:
         for n in range(args.workers):
             ready = base / f"ready-{n}"
@@ -401,9 +402,14 @@ async def run_design(
             cpu,
             events,
         )
+    except BaseException:
+        keep = True
+        print(f"  {design.name}: the workers' logs and the audit log are kept in {base}", flush=True)
+        raise
     finally:
         await _clean_up(client, ledger, shell, workers, job_ids, queue)
-        shutil.rmtree(base, ignore_errors=True)
+        if not keep:
+            shutil.rmtree(base, ignore_errors=True)
 
 
 async def _until_watched(
