@@ -468,3 +468,73 @@ async def test_a_pool_account_whose_job_directory_holds_files_is_never_handed_to
         assert again.tenants.account_for(z, submit_account=again.backend.user) == fresh
     finally:
         await again.close()
+
+
+async def test_a_pool_account_whose_job_directory_its_last_tenant_made_unreadable_is_passed_over(
+    env: dict[str, Any], tmp_path: Path
+) -> None:
+    """A tenant's last job can ``chmod 0`` its own job directory on its way out: the account itself can no longer
+    list it. The pool must not hand that account out (what it holds is unknown) and must not stop either: the new
+    tenant gets the next, empty, pool account (before, the failed listing refused every new tenant's first job).
+    ``--clean`` gives the directory its owner's bits back first and empties it."""
+    unreadable, empty = "vehpc-fresh2", "vehpc-fresh3"  # accounts with no Slurm association: never ran a job
+    for account in (unreadable, empty):
+        if not ensure_user(account, system=False):
+            pytest.fail(f"cannot create the account {account} (run the tests as root)")
+    work = reachable_dir("slurm-work")
+    directory, entry = work / unreadable, pwd.getpwnam(unreadable)
+    directory.mkdir(mode=0o700)
+    (directory / ".planted").write_text("the last tenant's\n")
+    for path in (directory, directory / ".planted"):
+        os.chown(path, entry.pw_uid, entry.pw_gid)
+    directory.chmod(0)
+    tenants = {"pool": [unreadable, empty], "assignments_path": str(tmp_path / "a.db")}
+    z = "virtengine1tenant0z"
+    adapter = sc.adapter(env, "cli", tenants=tenants, work_dir=str(work), hold=True)
+    try:
+        await hold_back_taken(adapter, adapter.tenants, z, cluster_id=adapter.cluster_id)
+        assert adapter.tenants.account_for(z, submit_account=adapter.backend.user) == empty
+
+        await adapter.remove_account_files(unreadable)
+        assert await adapter.account_files(unreadable) == []
+        assert not (directory / ".planted").exists()
+    finally:
+        await adapter.close()
+
+
+async def test_release_of_an_account_whose_job_directory_its_tenant_made_unreadable_refuses_then_cleans(
+    env: dict[str, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``tenants release`` of an account whose tenant left its job directory unreadable (``chmod 0``) refuses,
+    audited, and says how to go on; ``--clean`` empties it as the account and releases it (before, the failed
+    listing ended the command with an error and ``--clean`` never ran)."""
+    account, x = "vehpc-fresh4", "virtengine1tenant0x"
+    if not ensure_user(account, system=False):
+        pytest.fail(f"cannot create the account {account} (run the tests as root)")
+    work, assignments = reachable_dir("slurm-work"), tmp_path / "assignments.db"
+    directory, entry = work / account, pwd.getpwnam(account)
+    directory.mkdir(mode=0o700)
+    (directory / ".planted").write_text("x's\n")
+    for path in (directory, directory / ".planted"):
+        os.chown(path, entry.pw_uid, entry.pw_gid)
+    directory.chmod(0)
+    AssignmentStore(assignments).assign(x, TenantRules(pool=(account,)))
+    tenants = {"pool": [account], "assignments_path": str(assignments)}
+    config = tmp_path / "config.yaml"
+    hpc = {"scheduler_type": "slurm", "cluster_id": "slurm-test", "tenants": tenants}
+    hpc |= {"slurm": sc.slurm_section(env, "cli", work_dir=str(work))}
+    hpc |= {"audit": {"log_path": str(tmp_path / "audit.jsonl")}}
+    config.write_text(yaml.safe_dump({"hpc": hpc}))
+    monkeypatch.setenv("PROVIDER_MARKER_SECRET", sc.MARKER_SECRET)
+
+    assert await asyncio.to_thread(release, config, x) == 2
+    assert "cannot be listed as the account" in capsys.readouterr().err
+    assert AssignmentStore(assignments).all() == {x: account}, "nothing released"
+
+    assert await asyncio.to_thread(release, config, x, "--clean") == 0
+    assert list(directory.iterdir()) == [] and AssignmentStore(assignments).all() == {}
+    events = [json.loads(line) for line in (tmp_path / "audit.jsonl").read_text().splitlines()]
+    assert [(e["event_type"], e["details"]["files_removed"]) for e in events] == [
+        ("tenant_account_release_refused", False),
+        ("tenant_account_released", True),
+    ]

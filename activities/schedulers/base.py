@@ -312,7 +312,14 @@ async def hold_back_taken(
         return
     tenants.hold_back(await adapter.accounts_in_use(free), cluster_id=cluster_id)
     for account in await asyncio.to_thread(tenants.unassigned_pool):
-        left = await adapter.account_files(account)
+        try:
+            left = await adapter.account_files(account)
+        except SchedulerError as exc:
+            # Its last tenant can make the directory unreadable to the account (chmod 0 on its way out): what it
+            # holds is unknown, so the account is passed over like one with files, and the next one is tried.
+            why = f"its job directory cannot be listed as the account ({str(exc)[:200]})"
+            tenants.hold_back({account: why}, cluster_id=cluster_id, files=True)
+            continue
         if not left:
             return
         tenants.hold_back({account: files_left_message(left)}, cluster_id=cluster_id, files=True)

@@ -30,7 +30,7 @@ from activities.schedulers.base import SchedulerAdapter, files_left_message
 from activities.tenant_accounts import TenantAccounts
 from virtengine_hpc.cli.common import config_from_args, print_json
 from virtengine_hpc.config import Config, Secrets
-from virtengine_hpc.errors import ConfigError
+from virtengine_hpc.errors import ConfigError, SchedulerError
 
 
 def register(subparsers: Any) -> None:
@@ -158,7 +158,17 @@ async def _files_refusal(
 ) -> tuple[str | None, bool]:
     if args.keep_files:
         return None, False
-    left = await adapter.account_files(account)
+    try:
+        left = await adapter.account_files(account)
+    except SchedulerError as exc:  # its last tenant can leave the directory unreadable to the account itself
+        if not args.clean:
+            return (
+                f"{account} of tenant {args.tenant}: its job directory on cluster {cluster} cannot be listed as the "
+                f"account ({str(exc)[:200]}): pass --clean to give it back its owner's bits and empty it as the "
+                "account (or --keep-files to release it as it is)"
+            ), False
+        await adapter.remove_account_files(account)
+        return None, True
     if left is None:
         return (
             f"the files {account} of tenant {args.tenant} left on cluster {cluster} cannot be checked from here "

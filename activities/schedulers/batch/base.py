@@ -754,11 +754,12 @@ class AccountExecutors:
                 transient=False,
             )
         for what, argv in (
+            # The directory itself too (before find reads it): its last tenant may have left it unreadable.
             ("chmod u+rwx", ["-type", "d", "-exec", "chmod", "u+rwx", "{}", ";"]),
-            ("removal", ["-delete"]),
+            ("removal", ["-mindepth", "1", "-delete"]),
         ):
             await executor.run(
-                [*_FROM_ROOT, "find", path, "-mindepth", "1", *argv],
+                [*_FROM_ROOT, "find", path, *argv],
                 what=f"{what} in {path} as {account}",
                 ok=lambda r: True,  # what is left is checked below
             )
