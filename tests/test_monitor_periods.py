@@ -23,10 +23,13 @@ from typing import Any
 
 import pytest
 from temporalio import activity
+from temporalio.api.common.v1 import WorkflowExecution
+from temporalio.api.enums.v1 import EventType, ResetReapplyExcludeType
+from temporalio.api.workflowservice.v1 import ResetWorkflowExecutionRequest
 from temporalio.client import Client, Interceptor, OutboundInterceptor, SignalWorkflowInput
 from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.testing import ActivityEnvironment
-from temporalio.worker import Worker
+from temporalio.worker import Replayer, Worker
 
 from activities.audit import read_events
 from activities.chain.local_ledger import LocalLedger
@@ -423,3 +426,88 @@ async def test_a_job_whose_reading_breaks_leaves_the_round_to_the_others(setup: 
     for job_id in (broken, other):
         result = await s.result(job_id)
         assert result.usage_records == len(assert_whole(s.ledger, job_id))
+
+
+async def replays(s: Setup, workflow_id: str) -> None:
+    """The workflow's history, as recorded, replays on this code (every command it issues sits behind a patch)."""
+    history = await s.client.get_workflow_handle(workflow_id).fetch_history()
+    replayer = Replayer(
+        workflows=[HPCJobWorkflow, ClusterMonitorWorkflow], data_converter=pydantic_data_converter
+    )
+    assert (await replayer.replay_workflow(history, raise_on_replay_failure=True)).replay_failure is None
+
+
+async def test_a_served_job_and_its_monitor_replay_after_it_fell_back_and_was_served_again(
+    setup: Setup,
+) -> None:
+    """Histories recorded with the monitor sending the records, with the job sending its own while the monitor was
+    silent, and with the monitor back, replay: mid-run and once settled."""
+    s = setup
+    job_id = await s.start(max_watch_seconds=3.0)
+    await until(lambda: signals(s, job_id), lambda n: n >= 3)
+    await replays(s, job_id)
+    await s.rounds.pause()
+    paused_at = len(s.ledger.usage_records(job_id))
+    await until(lambda: s.status(job_id), lambda st: st.usage_records >= paused_at + 2)
+    await replays(s, job_id)
+    heard = await signals(s, job_id)
+    s.rounds.auto = True
+    await until(lambda: signals(s, job_id), lambda k: k >= heard + 2)
+    s.end(job_id)
+    result = await s.result(job_id)
+    assert result.usage_records == len(assert_whole(s.ledger, job_id))
+    await replays(s, job_id)
+    await replays(s, monitor_workflow_id(s.task_queue))
+
+
+@pytest.mark.parametrize("how", ["terminate", "cancel"])
+async def test_an_operator_stopping_the_monitor_leaves_no_gap(setup: Setup, how: str) -> None:
+    """Terminate or Cancel on the monitor workflow (Web UI, CLI): the job sends its own records once it has heard
+    nothing for max_watch_seconds, which registers it again and starts a monitor that serves it."""
+    s = setup
+    job_id = await s.start(max_watch_seconds=3.0)
+    await until(lambda: signals(s, job_id), lambda n: n >= 2)
+    monitor = s.client.get_workflow_handle(monitor_workflow_id(s.task_queue))
+    await (monitor.terminate("operator") if how == "terminate" else monitor.cancel())
+    at = len(s.ledger.usage_records(job_id))
+    await until(lambda: s.status(job_id), lambda st: st.usage_records >= at + 2)
+    heard = await signals(s, job_id)
+    await until(lambda: signals(s, job_id), lambda k: k >= heard + 2)
+    s.end(job_id)
+    result = await s.result(job_id)
+    assert result.usage_records == len(assert_whole(s.ledger, job_id))
+    await replays(s, job_id)
+
+
+@pytest.mark.parametrize("signals_reapplied", [True, False])
+async def test_a_reset_to_before_the_monitors_first_record_goes_on_from_the_chain(
+    setup: Setup, signals_reapplied: bool
+) -> None:
+    """Reset on a served job to the workflow task before the monitor's first record (signals reapplied, the
+    default, or excluded): the reset run's records go on from the chain's, none twice, none missing."""
+    s = setup
+    job_id = await s.start()
+    await until(lambda: signals(s, job_id), lambda n: n >= 3)
+    handle = s.client.get_workflow_handle(job_id)
+    tasks: list[int] = []
+    async for e in handle.fetch_history_events():
+        if e.event_type == EventType.EVENT_TYPE_WORKFLOW_TASK_COMPLETED:
+            tasks.append(e.event_id)
+        if e.workflow_execution_signaled_event_attributes.signal_name == "period_recorded":
+            break
+    excluded = [] if signals_reapplied else [ResetReapplyExcludeType.RESET_REAPPLY_EXCLUDE_TYPE_SIGNAL]
+    await s.client.workflow_service.reset_workflow_execution(
+        ResetWorkflowExecutionRequest(
+            namespace=s.client.namespace,
+            workflow_execution=WorkflowExecution(workflow_id=job_id, run_id=(await handle.describe()).run_id),
+            reason="operator",
+            workflow_task_finish_event_id=tasks[-1],
+            request_id=str(uuid.uuid4()),
+            reset_reapply_exclude_types=excluded,
+        )
+    )
+    at = len(s.ledger.usage_records(job_id))
+    await until(lambda: s.status(job_id), lambda st: st.usage_records >= at + 2)
+    s.end(job_id)
+    result = await s.result(job_id)
+    assert result.usage_records == len(assert_whole(s.ledger, job_id))
