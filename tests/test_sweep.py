@@ -30,6 +30,7 @@ from temporalio.client import Client
 
 from activities.audit import read_events
 from activities.schedulers.base import SubmitRequest
+from activities.schedulers.batch.base import Owner
 from activities.schedulers.slurm import SlurmAdapter
 from tests import slurm_cluster as sc
 from tests.conftest import make_config
@@ -439,12 +440,15 @@ def over(config: Config, env: dict[str, Any], transport: str) -> Config:
     return config.model_copy(update={"hpc": config.hpc.model_copy(update={"slurm": section})})
 
 
-async def tenant_job_that_ran(p: Pipeline, env: dict[str, Any], account: str, label: str) -> str:
-    """A short job a tenant's script submits itself as its account, run to its end and recorded by slurmdbd."""
+async def tenant_job_that_ran(
+    p: Pipeline, env: dict[str, Any], account: str, label: str, name: str | None = None
+) -> str:
+    """A short job a tenant's script submits itself as its account (named ``name``, else after a workflow id of
+    its own), run to its end and recorded by slurmdbd."""
     out = subprocess.run(
         [
             "runuser", "-u", account, "--", "sbatch", "--parsable", "-t", "1",
-            "-J", sc.workflow_id(SCOPE + label), "-o", "/dev/null", "--wrap", "sleep 2",
+            "-J", name or sc.workflow_id(SCOPE + label), "-o", "/dev/null", "--wrap", "sleep 2",
         ],
         env={**os.environ, "SLURM_CONF": env["slurm_conf"]},
         capture_output=True, text=True, check=True,
@@ -501,6 +505,30 @@ async def test_a_tenants_job_that_ran_between_two_rounds_is_audited(
     assert details["account"] == alice and details["tenant"] == TENANT and details["kind"] == "unmarked"
     assert details["ended"] is True and details["elapsed_seconds"] >= 1
     assert details["allocated"]["cpus"] >= 1 and details["allocated"]["nodes"] == 1
+
+
+async def test_a_tenants_job_under_the_marked_name_of_its_own_chain_job_that_ran_between_rounds_is_audited(
+    pipe: Pipeline, env: dict[str, Any]
+) -> None:
+    """A tenant sees its chain jobs' names (``squeue``), marker included, and the marker binds the workflow, the
+    cluster and the account, not the scheduler job: its own job under such a name carries a valid marker. Live at
+    a round it is a job its workflow does not name; between two rounds it ran unbilled all the same, and the next
+    round must audit it (it was left out as marked, never reported)."""
+    alice = sc.account_of(env, TENANT)
+    name = slurm(pipe).job_name(Owner(sc.workflow_id(SCOPE + "copied"), alice))
+    sweeper = sweep(pipe, env)
+    await sweeper.sweep_once()
+    free = await tenant_job_that_ran(pipe, env, alice, "copied", name=name)
+
+    first, second = await sweeper.sweep_once(), await sweeper.sweep_once()
+
+    assert free in first.ran + second.ran, f"tenant job {free} under a copied marked name is never reported"
+    audited = audited_about(pipe, free)
+    assert len(audited) == 1, audited
+    details = audited[0]["details"]
+    assert audited[0]["event_type"] == "unowned_job_found" and audited[0]["job_id"] is None
+    assert details["account"] == alice and details["tenant"] == TENANT and details["ended"] is True
+    assert details["kind"] == "unowned" and details["allocated"]["cpus"] >= 1
 
 
 async def test_a_job_that_ran_while_no_poller_swept_is_audited_once_by_the_next_pollers_first_round(

@@ -23,7 +23,8 @@ not name is a finding, confirmed before anything is done:
   workflow its name claims), such as a job submitted under a marker key since rotated: it is watched and billed,
   and left alone. A job whose claimed workflow is open but names no job yet is given one more round. Its audit
   record names the account and tenant, never the workflow its name claims (anyone may write any name).
-* **unmarked, ended**: such a job that started after one round and ended before the next, never live at a round.
+* **ended between rounds**: a job of a tenant's account, unmarked or under the name (and so the marker) of one of
+  its tenant's chain jobs, that started after one round and ended before the next, never live at a round.
   Each round reads the tenants' accounts' jobs that ended since the previous round began from accounting
   (``SchedulerAdapter.swept_ended``, one query) and audits those that ran, that no round listed and no run of a
   workflow ever named (``unowned_job_found``, ``ended: true``): they ran unbilled, and the provider learns of
@@ -242,7 +243,8 @@ class JobSweep:
     async def _check_ended(self, started: float, stats: SweepStats) -> None:
         """A job a tenant submits itself right after a round and that ends before the next was never live at a
         round: read from accounting since the previous round (plus ``ENDED_MARGIN``), every such job without a
-        valid marker that no run of the workflow its name claims named, and that no round listed, is audited once
+        valid marker, or with a marker (a tenant may name its own job after one of its chain jobs), that no run of the
+        workflow its name claims named, and that no round listed, is audited once
         (``unowned_job_found``, ``ended: true``, with its run time and allocation): it ran unbilled and the
         provider learns of it. A poller's first round reads back to the last round this host's pollers made
         (``SweepCheckpoint``), at most ``sweep_lookback``, and leaves out what the audit log already holds."""
@@ -260,11 +262,9 @@ class JobSweep:
             log.info("no sweep of ended jobs: %s", exc, extra={"cluster_id": self.cluster_id})
             self._ended_listed = False
             return
-        ran = [
-            job
-            for job in ended
-            if job.workflow_id is None and not job.marked_elsewhere and job.scheduler_job_id not in self._seen
-        ]
+        # A marked job counts too: its tenant can give its own job the name (and so the marker) of one of its
+        # earlier chain jobs; only a job some run of that workflow named was watched and billed.
+        ran = [job for job in ended if not job.marked_elsewhere and job.scheduler_job_id not in self._seen]
         if first and ran:
             ran = await self._not_yet_audited(ran, last)
         claims = sorted({c for c in (_claim(job) for job in ran) if c is not None})
@@ -272,8 +272,8 @@ class JobSweep:
         ran = [job for job in ran if (_claim(job), job.scheduler_job_id) not in watched]
         if ran:
             log.error(
-                "scheduler jobs %s on %s (accounts %s) ran and ended between two sweep rounds without a valid "
-                "marker: no workflow watched or billed them",
+                "scheduler jobs %s on %s (accounts %s) ran and ended between two sweep rounds and no workflow "
+                "named them: no workflow watched or billed them",
                 ", ".join(job.scheduler_job_id for job in ran),
                 self.cluster_id,
                 ", ".join(sorted({job.user for job in ran})),
@@ -334,13 +334,18 @@ class JobSweep:
             details={
                 "scheduler_job_id": job.scheduler_job_id,
                 "kept": None,
-                "kind": "unmarked",
+                "kind": "unmarked" if job.workflow_id is None else "unowned",
                 "ended": True,
                 "elapsed_seconds": job.elapsed_seconds,
                 "allocated": allocated,
                 "found_by": "sweep",
-                "why": "it ran and ended between two sweep rounds as a tenant's account without a valid "
-                "marker: no workflow watched or billed it",
+                "why": "it ran and ended between two sweep rounds as a tenant's account "
+                + (
+                    "without a valid marker"
+                    if job.workflow_id is None
+                    else "under a marker no run of its workflow named it by"
+                )
+                + ": no workflow watched or billed it",
                 "account": job.user,
                 "tenant": self.adapter.tenant_of(job.user) if job.user else None,
                 "claims": _claim(job),
