@@ -42,6 +42,7 @@ from virtengine_hpc.config import Config
 from virtengine_hpc.errors import (
     ChainError,
     HPCError,
+    IllegalTransition,
     JobNotFound,
     SchedulerError,
     SecurityError,
@@ -739,15 +740,13 @@ class JobActivities:
                     cluster_id=request.cluster_id,
                 )
             )
+        except IllegalTransition as exc:
+            if await self._ended_since(request):
+                return
+            self._report_failed(request, exc)
+            raise to_application_error(exc) from None
         except HPCError as exc:
-            self.audit.record(
-                "status_report_failed",
-                job_id=request.job_id,
-                cluster_id=request.cluster_id,
-                success=False,
-                error_msg=str(exc),
-                details={"state": request.new_state.value},
-            )
+            self._report_failed(request, exc)
             raise to_application_error(exc) from None
         self.audit.record(
             "status_reported",
@@ -757,6 +756,37 @@ class JobActivities:
         )
         if request.watch is not None:
             await self._tell_monitor(request.watch)
+
+    async def _ended_since(self, request: TransitionInput) -> bool:
+        """The chain refused a report of a state the job has left for a final one since: a local step that ran
+        again after its workflow task was lost (its marker with it), while the steps after it had reached the
+        chain. The report stands as sent; the monitor is not told of the job again."""
+        if request.new_state.final:
+            return False
+        try:
+            found = await self.chain.get_job(request.job_id)
+        except HPCError:
+            return False  # the refusal stands; a retry asks again
+        if found is None or not found.state.final:
+            return False
+        log.warning(
+            "job %s: %s reported again after the job ended %s on chain (a local step run again): nothing to do",
+            request.job_id,
+            request.new_state.value,
+            found.state.value,
+            extra={"job_id": request.job_id},
+        )
+        return True
+
+    def _report_failed(self, request: TransitionInput, exc: HPCError) -> None:
+        self.audit.record(
+            "status_report_failed",
+            job_id=request.job_id,
+            cluster_id=request.cluster_id,
+            success=False,
+            error_msg=str(exc),
+            details={"state": request.new_state.value},
+        )
 
     async def _tell_monitor(self, registration: WatchRegistration) -> None:
         """The cluster's monitor hears the job's new state with the report that caused it (no step of its own)."""

@@ -22,6 +22,7 @@ from typing import Any
 import pytest
 from temporalio.client import Client, WorkflowExecutionStatus, WorkflowUpdateFailedError
 from temporalio.common import WorkflowIDConflictPolicy, WorkflowIDReusePolicy
+from temporalio.exceptions import ApplicationError
 
 from activities.chain.client import AccountingReport, Settlement, StatusReport
 from activities.chain.local_ledger import LocalLedger
@@ -241,6 +242,34 @@ async def test_a_transition_the_chain_is_too_busy_for_goes_on_as_an_activity(fau
         if e.HasField("activity_task_scheduled_event_attributes")
     ]
     assert activities == ["submit_job", "report_transition"], "only the busy report ran as an activity"
+
+
+async def test_a_lifecycle_report_run_again_after_the_job_ended_changes_nothing(faulty: Pipeline) -> None:
+    """A local step runs again when its workflow task is lost (its marker with it) after the steps that followed
+    it reached the chain: seen under load, a job whose ``running`` report ran again after ``completed`` was refused
+    as an illegal transition and parked. Such a report of a state the job has left for a final one is done."""
+    from temporalio.testing import ActivityEnvironment
+
+    from virtengine_hpc.messages import TransitionInput
+
+    sched(faulty).default = Script([(0, Q), (0.2, R), (0.6, C)], exit_code=0)
+    job_id = faulty.submit()
+    results = await faulty.run_until_done([job_id])
+    assert results[job_id].state == C
+    again = TransitionInput(
+        job_id=job_id,
+        cluster_id=faulty.cluster_id,
+        old_state=Q,
+        new_state=R,
+        scheduler_job_id=results[job_id].scheduler_job_id,
+    )
+    await ActivityEnvironment().run(faulty.deps.activities.report_transition, again)
+    job = faulty.ledger.job(job_id)
+    assert job is not None and job.state == C
+    assert faulty.audit_events("status_report_failed", job_id) == []
+    chain(faulty).refuse_status[R] = ChainError("chain refuses running", transient=False)
+    with pytest.raises(ApplicationError, match="refuses running"):  # any other refusal still fails the step
+        await ActivityEnvironment().run(faulty.deps.activities.report_transition, again)
 
 
 # ---- a step that fails for good ----------------------------------------------------------------------------------
