@@ -29,6 +29,7 @@ import pytest
 from activities.schedulers.base import Accounting, NativeStatus, SubmitRequest, SubmitResult
 from activities.schedulers.slurm import SlurmAdapter
 from activities.schedulers.slurm import adapter as adapter_module
+from activities.schedulers.slurm import backends as backends_module
 from activities.schedulers.slurm.script import SubmitPlan
 from activities.schedulers.slurm.transports import SSHRunner
 from tests import slurm_cluster as sc
@@ -761,3 +762,61 @@ async def test_slurmrestd_counts_a_running_jobs_time_on_the_controllers_clock(
             await cli.cancel(job_id)
         await cli.close()
         await rest.close()
+
+
+_CLOCK_AHEAD = r"""
+#include <stdlib.h>
+#include <time.h>
+time_t time(time_t *t) {  /* this host's clock SKEW seconds ahead, as Slurm's client commands read it */
+    struct timespec now;
+    clock_gettime(CLOCK_REALTIME, &now);
+    time_t ahead = now.tv_sec + atol(getenv("SKEW") ? getenv("SKEW") : "0");
+    if (t) *t = ahead;
+    return ahead;
+}
+"""
+
+
+async def test_cli_counts_a_running_jobs_time_on_the_controllers_clock(
+    env: dict[str, Any], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """``squeue`` counts a running job's TimeUsed on the host it runs on, to that host's clock, from the job's start
+    on the controller's: on the cli transport, the worker's. With the worker's clock a minute ahead, a job that had
+    run a few seconds read 62 s, and the final record, which cannot be negative, never took it back (sacct: 25 s).
+    The worker's clock is put ahead for Slurm's commands (a preloaded ``time``) and for the adapter's own."""
+    shim = tmp_path / "ahead.so"
+    (tmp_path / "ahead.c").write_text(_CLOCK_AHEAD)
+    subprocess.run(["cc", "-shared", "-fPIC", "-o", str(shim), str(tmp_path / "ahead.c")], check=True)
+    cli = sc.adapter(env, "cli")
+    wf = wid("cliskew")
+    job_id = ""
+    try:
+        submitted = await cli.submit(
+            SubmitRequest(workflow_id=wf, job=sc.spec(wf, "sleep 8\n"), body="sleep 8\n")
+        )
+        job_id = submitted.scheduler_job_id
+        await sc.wait_for(cli, job_id, lambda s: s.state == JobState.RUNNING, timeout=120)
+        await asyncio.sleep(2)
+        runner = cli.backend.executors.own.runner  # type: ignore[attr-defined]
+        plain = dict(runner.env)
+        runner.env = {**plain, "LD_PRELOAD": str(shim), "SKEW": "60"}
+        monkeypatch.setattr(backends_module, "datetime", _WorkerAhead)
+        running = await cli.usage(job_id)
+        runner.env = plain
+        monkeypatch.undo()
+        assert not running.final
+        await sc.wait_final(cli, job_id)
+        for _ in range(60):  # accounting records the end a moment after the controller
+            final = await cli.usage(job_id)
+            if final.final:
+                break
+            await asyncio.sleep(1)
+        assert final.final
+        assert running.reading.wall_clock_seconds <= final.reading.wall_clock_seconds, (
+            running.reading,
+            final.reading,
+        )
+    finally:
+        if job_id:
+            await cli.cancel(job_id)
+        await cli.close()

@@ -170,6 +170,7 @@ class SlurmAdapter(BatchSchedulerAdapter):
                 executor_as=as_local if tenants.isolated else None,
                 lookup_users=lookup_users,
                 tenant_dirs=local_tenant_dirs(user),
+                local_clock=True,
             )
         elif transport == "ssh":
             backend = cls._ssh_backend(s, tenants, timeout, lookback_days)
@@ -628,6 +629,20 @@ class SlurmAdapter(BatchSchedulerAdapter):
             )
             return None
 
+    async def _clock_ahead(self) -> int:
+        """How far the clock ``squeue`` counted a running job's TimeUsed to is ahead of the controller's: a worker
+        ahead billed the difference in every running reading, which the final record never took back. One that
+        cannot tell (a transient error is retried): 0, with a warning."""
+        try:
+            return await self.backend.clock_ahead()
+        except SchedulerError as exc:
+            if exc.transient:
+                raise
+            log.warning(
+                "cannot compare this worker's clock with the controller's of %s (%s)", self.cluster_id, exc
+            )
+            return 0
+
     async def _running_usage(self, job_id: str, job: p.QueueJob, clock: datetime | None) -> Accounting:
         live_task = asyncio.create_task(self.backend.live_steps(job_id))
         try:
@@ -654,6 +669,9 @@ class SlurmAdapter(BatchSchedulerAdapter):
         elapsed = job.elapsed_seconds
         if elapsed is None:  # slurmrestd gives no run time: derive it as the controller does, on its clock
             elapsed = _run_time(job, clock or now)
+        elif (job.state.split() or [""])[0] == "RUNNING":
+            # squeue counted it to the clock of the host it ran on, ahead of the controller's by as much
+            elapsed = max(0, elapsed - await self._clock_ahead())
         reading = _job_reading(list(seen.values()), Decimal(elapsed), job.alloc_tres, taken_at=now)
         if earlier:  # a requeued job: its earlier runs, closed in accounting, are billed as well
             reading = _runs_reading([*(_run_reading(r, taken_at=now) for r in earlier), reading])

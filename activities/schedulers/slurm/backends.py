@@ -25,6 +25,7 @@ from __future__ import annotations
 import abc
 import asyncio
 import logging
+import math
 import re
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -78,6 +79,9 @@ TRANSIENT_PATTERNS = tuple(
     )
 )
 _ACCOUNTING_DISABLED = re.compile(r"accounting storage is disabled", re.I)
+_SDIAG_TIME = re.compile(
+    r"^sdiag output at .*\((\d+)\)\s*$", re.M
+)  # the controller's req_time, epoch seconds
 _NODE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 
 
@@ -169,6 +173,12 @@ class SlurmBackend(abc.ABC):
         it from the job's start (slurmrestd); ``None`` where the controller's own count comes with the job."""
         return None
 
+    async def clock_ahead(self) -> int:
+        """Seconds the clock of the host that counts a running job's run time (``squeue``'s TimeUsed is counted
+        there, to its own clock, from the job's start on the controller's) is ahead of the controller's; 0 where
+        the count is the controller's own or the host's clock is not ahead."""
+        return 0
+
     @abc.abstractmethod
     async def cancel(self, job_ids: Sequence[str]) -> None: ...
 
@@ -210,6 +220,7 @@ class CliBackend(SlurmBackend):
         lookup_users: Sequence[str] = (),
         tenant_shell: bool = False,
         tenant_dirs: TenantDirs | None = None,
+        local_clock: bool = False,
     ) -> None:
         """``executor_as(account)`` runs commands as a tenant's account (None: this backend cannot).
         ``tenant_dirs`` checks (and may make) each tenant's job directory: default ``stat`` through ``executor``.
@@ -217,9 +228,13 @@ class CliBackend(SlurmBackend):
         ``tenant_shell``: those commands go through the tenant account's own login shell (SSH), whose startup
         files its jobs can write. Then what ``sbatch`` answers is checked with the provider's own ``squeue``, and
         running steps are not read (``sstat`` as the provider's operator account is refused by slurmd, and as
-        the tenant's it would be the tenant's word): CPU time arrives with the final accounting."""
+        the tenant's it would be the tenant's word): CPU time arrives with the final accounting.
+
+        ``local_clock``: the commands run on this worker's host, whose clock ``squeue`` counts a running job's
+        TimeUsed to (``clock_ahead``)."""
         super().__init__()
         self.tenant_shell = tenant_shell
+        self.local_clock = local_clock
         self.ex = executor
         self.cluster = cluster
         self.user = user
@@ -262,6 +277,19 @@ class CliBackend(SlurmBackend):
             min_job_age_seconds=p.parse_int(age),
             slurm_user=config.get("SlurmUser", "").partition("(")[0].strip() or None,  # "slurm(64030)"
         )
+
+    async def clock_ahead(self) -> int:
+        """``sdiag`` tells when the controller answered (whole seconds); this host's clock read after that answer
+        can only overstate how far it is ahead, so a running reading corrected by it is never above the
+        controller's count (the final accounting adds what it left out)."""
+        if not self.local_clock:
+            return 0
+        result = await self._run(["sdiag"], what="sdiag")
+        after = datetime.now(UTC).timestamp()
+        answered = _SDIAG_TIME.search(result.stdout)
+        if answered is None:
+            raise SchedulerError("sdiag: no time of the controller's answer", stdout=result.stdout[:2000])
+        return max(0, math.ceil(after) - int(answered.group(1)))
 
     async def administrators(self) -> dict[str, str]:
         result = await self._run(
