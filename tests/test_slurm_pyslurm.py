@@ -9,6 +9,7 @@ is tested here on the real cluster, with a stand-in for pyslurm's part.
 from __future__ import annotations
 
 import asyncio
+import time
 import types
 from typing import Any
 
@@ -17,8 +18,10 @@ import pytest
 from activities.schedulers.base import SubmitRequest
 from activities.schedulers.slurm import SlurmAdapter
 from activities.schedulers.slurm import adapter as adapter_module
+from activities.schedulers.slurm import backends as backends_module
 from activities.schedulers.slurm.backends import CliBackend, PyslurmBackend
 from tests import slurm_cluster as sc
+from tests.test_slurm_adapter import _WorkerAhead
 from virtengine_hpc.config import Secrets
 from virtengine_hpc.errors import ConfigError
 from virtengine_hpc.states import JobState
@@ -151,3 +154,46 @@ async def test_pyslurm_transport_reads_the_jobs_that_ended_between_two_sweep_rou
     finally:
         sc.slurm_command(env, ["scancel", job_id])
         await cli.close()
+
+
+async def test_pyslurm_counts_a_running_jobs_time_on_the_controllers_clock(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """pyslurm, like ``squeue``, counts a running job's ``run_time`` on the worker's host, to its clock, from the
+    job's start on the controller's: a worker a minute ahead billed that minute in every running reading, which the
+    final record never took back. The stand-in holds the real running job as pyslurm would, its run time counted
+    to the worker's clock put a minute ahead (the adapter's clock as well)."""
+    env: dict[str, Any] = sc.cluster()
+    cli = sc.adapter(env, "cli")
+    wf = sc.workflow_id(SCOPE + "skew")
+    job_id = ""
+    jobs: dict[int, Any] = {}
+    stand_in = types.ModuleType("pyslurm")
+    stand_in.Jobs = types.SimpleNamespace(load=lambda: jobs)  # type: ignore[attr-defined]
+    monkeypatch.setattr(adapter_module, "load_pyslurm", lambda: stand_in)
+    pys = sc.adapter(env, "pyslurm", tenants={"isolation": "none"})
+    try:
+        submitted = await cli.submit(
+            SubmitRequest(workflow_id=wf, job=sc.spec(wf, "sleep 20\n"), body="sleep 20\n")
+        )
+        job_id = submitted.scheduler_job_id
+        await sc.wait_for(cli, job_id, lambda s: s.state == JobState.RUNNING, timeout=120)
+        start = int(sc.slurm_command(env, ["squeue", "-h", "-j", job_id, "-O", "StartTime"]).strip())
+        await asyncio.sleep(2)
+        jobs[int(job_id)] = types.SimpleNamespace(
+            id=int(job_id),
+            state="RUNNING",
+            name=wf,
+            start_time=start,
+            run_time=int(time.time()) + 60 - start,  # pyslurm's _calc_run_time: time(NULL) - start
+            allocated_tres="cpu=1,mem=256M,node=1",
+        )
+        monkeypatch.setattr(backends_module, "datetime", _WorkerAhead)
+        running = await pys.usage(job_id)
+        used = time.time() - start
+        assert not running.final and running.reading.wall_clock_seconds <= used + 1, (running.reading, used)
+    finally:
+        if job_id:
+            await cli.cancel(job_id)
+        await cli.close()
+        await pys.close()

@@ -220,6 +220,7 @@ class SlurmAdapter(BatchSchedulerAdapter):
                 cluster=s.cluster_name,
                 user=user,
                 lookback_days=lookback_days,
+                local_clock=True,  # pyslurm counts a running job's run_time on this host too, as squeue does
             )
             backend = PyslurmBackend(module, cluster=s.cluster_name, user=user, sacct=sacct)
         adapter = cls(

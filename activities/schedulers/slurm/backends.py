@@ -790,6 +790,10 @@ class PyslurmBackend(SlurmBackend):
         self.sacct = sacct
         self.sacct.calls = self.calls  # one count of this transport's queries
 
+    async def clock_ahead(self) -> int:
+        """pyslurm's ``run_time`` of a running job is counted here, to this host's clock, as ``squeue``'s is."""
+        return await self.sacct.clock_ahead()
+
     async def _call(self, kind: str, fn: Any, *args: Any) -> Any:
         self.calls[kind] += 1
         try:
