@@ -50,7 +50,11 @@ async def main(
         return await real_submit(plan, account)
 
     adapter.backend.submit = submit_after_barrier  # type: ignore[method-assign]
-    config = make_config(audit_log.parent, hpc={"audit": {"log_path": str(audit_log)}})
+    # Both attempts submit as the tenant's fixed account: a per-process pool would hand each its own account (or
+    # refuse one the cluster shows in use), which is not what two attempts of one job on a real deploy do.
+    accounts = sc.tenant_accounts(env)
+    tenants = {"accounts": {sc.ALICE: accounts[0], sc.BOB: accounts[1]}}
+    config = make_config(audit_log.parent, hpc={"audit": {"log_path": str(audit_log)}, "tenants": tenants})
     deps = build_worker_deps(
         config, Secrets(provider_signing_key_path=key), adapters={config.hpc.cluster_id: adapter}
     )
