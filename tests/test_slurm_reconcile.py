@@ -1,9 +1,9 @@
 """``virtengine-hpc usage reconcile`` on real SLURM jobs of every outcome: the records the pipeline signed, against
 ``sacct``, metric by metric (what a provider runs before a dispute).
 
-Jobs go through the whole pipeline (ledger, poller, workflow, SLURM adapter over the local CLI, slurmctld); then the
-command runs as an operator would run it, against the same config file. A record changed behind the provider's back
-is a difference it reports, with a non-zero exit.
+Jobs go through the whole pipeline (ledger, poller, workflow, SLURM adapter over the cli and ssh transports,
+slurmctld); then the command runs as an operator would run it, against the same config file. A record changed behind
+the provider's back is a difference it reports, with a non-zero exit.
 """
 
 from __future__ import annotations
@@ -11,7 +11,9 @@ from __future__ import annotations
 import asyncio
 import json
 import sqlite3
+import time
 import uuid
+from collections.abc import Callable
 from decimal import Decimal
 from pathlib import Path
 from typing import Any
@@ -45,29 +47,86 @@ def _cleanup(env: dict[str, Any]) -> Any:
     sc.remove_outputs(env, SCOPE)
 
 
-def pipeline_config(tmp_path: Path, env: dict[str, Any], **slurm: Any) -> tuple[Config, SlurmAdapter]:
-    """A cluster of its own over the CLI transport, the test tenants' accounts, fast polls and 2 s usage periods,
-    and its adapter; ``slurm`` adds keys to the SLURM section."""
+def pipeline_config(
+    tmp_path: Path, env: dict[str, Any], *, transport: str = "cli", **slurm: Any
+) -> tuple[Config, SlurmAdapter]:
+    """A cluster of its own over ``transport``, the test tenants' accounts, fast polls and 2 s usage periods, and its
+    adapter; ``slurm`` adds keys to the SLURM section."""
     hpc: dict[str, Any] = {
         "scheduler_type": "slurm",
         "cluster_id": f"slurm-{uuid.uuid4().hex[:8]}",
         "job_service": {"job_poll_interval": "500ms", "vanished_job_grace": "60s"},
         "usage_reporting": {"report_interval": "2s"},
-        "slurm": sc.slurm_section(env, "cli", **slurm),
+        "slurm": sc.slurm_section(env, transport, **slurm),
         "tenants": sc.tenants_section(env),
     }
     config = make_config(tmp_path, hpc=hpc)
     return config, SlurmAdapter.from_config(config, sc.secrets(env), config.hpc.cluster_id)
 
 
-def sacct_job(env: dict[str, Any], slurm_id: str) -> dict[str, str]:
+def sacct_runs(env: dict[str, Any], slurm_id: str) -> list[dict[str, str]]:
+    """Slurm's own accounting of the job, one row per run (a requeued job ran more than once), oldest first."""
     fields = ("JobIDRaw", "State", "ElapsedRaw", "AllocTRES", "Start", "End")
-    out = sc.slurm_command(env, ["sacct", "-X", "-P", "-n", "-j", slurm_id, "-o", ",".join(fields)])
-    row = next(line.split("|") for line in out.splitlines() if line.split("|")[0] == slurm_id)
-    return dict(zip(fields, row, strict=True))
+    out = sc.slurm_command(
+        env, ["sacct", "--duplicates", "-X", "-P", "-n", "-j", slurm_id, "-o", ",".join(fields)]
+    )
+    rows = [line.split("|") for line in out.splitlines() if line.split("|")[0] == slurm_id]
+    return [dict(zip(fields, row, strict=True)) for row in rows]
 
 
-@pytest.mark.timeout(600)  # five jobs, one of them running out its 60 s walltime, on a shared cluster
+def sacct_elapsed(env: dict[str, Any], slurm_id: str) -> int:
+    """The seconds Slurm clocked for the job, every run added up."""
+    return sum(int(run["ElapsedRaw"]) for run in sacct_runs(env, slurm_id))
+
+
+async def act_when_running(
+    pipe: Any, steps: dict[str, list[tuple[float, Callable[[str], Any]]]], timeout: float = 600
+) -> dict[str, str]:
+    """Drive the poller and run each job's steps (seconds since the chain first showed it running, what to do with
+    its Slurm job id) in turn; the jobs' Slurm ids."""
+    seen: dict[str, float] = {}
+    deadline = time.monotonic() + timeout
+    while any(steps.values()):
+        assert time.monotonic() < deadline, {j: pipe.ledger.job(j) for j, left in steps.items() if left}
+        await pipe.poller.poll_once()
+        for job_id, left in steps.items():
+            if job_id not in seen and getattr(pipe.ledger.job(job_id), "state", None) == JobState.RUNNING:
+                seen[job_id] = time.monotonic()
+            while left and job_id in seen and time.monotonic() - seen[job_id] >= left[0][0]:
+                left.pop(0)[1](str(pipe.ledger.job(job_id).scheduler_job_id))
+        await asyncio.sleep(0.3)
+    return {job_id: str(pipe.ledger.job(job_id).scheduler_job_id) for job_id in steps}
+
+
+#: What each outcome's job runs: a requeued job's second run (``SLURM_RESTART_COUNT`` 1) ends after 3 s.
+REQUEUED_SCRIPT = (
+    '#!/bin/bash\nif [ "${SLURM_RESTART_COUNT:-0}" -gt 0 ]; then sleep 3; exit 0; fi\nsleep 300\n'
+)
+OUTCOMES: dict[str, tuple[str, dict[str, Any]]] = {
+    "completed": (
+        "#!/bin/bash\nsrun bash -c 'dd if=/dev/zero of=blob bs=1M count=8 status=none; rm -f blob; sleep 4'\n",
+        {},
+    ),
+    "failed": ("#!/bin/bash\nexit 3\n", {}),  # at once: Start = End, 0 s in sacct
+    "cancelled": ("#!/bin/bash\nsleep 300\n", {}),
+    "timeout": ("#!/bin/bash\nsleep 300\n", {"walltime_seconds": 60}),
+    "suspended": ("#!/bin/bash\nfor i in $(seq 20); do sleep 1; done\n", {}),
+    "requeued": (REQUEUED_SCRIPT, {}),
+}
+ENDS = {
+    "completed": JobState.COMPLETED,
+    "failed": JobState.FAILED,
+    "cancelled": JobState.CANCELLED,
+    "timeout": JobState.TIMEOUT,
+    "suspended": JobState.COMPLETED,
+    "requeued": JobState.COMPLETED,
+}
+
+
+@pytest.mark.parametrize("transport", ["cli", "ssh"])
+@pytest.mark.timeout(
+    900
+)  # a requeued job waits ~2 minutes (BeginTime) before it runs again; a shared cluster
 async def test_reconcile_agrees_with_sacct_for_jobs_of_every_outcome(
     client: Client,
     tmp_path: Path,
@@ -75,17 +134,25 @@ async def test_reconcile_agrees_with_sacct_for_jobs_of_every_outcome(
     task_queue: str,
     env: dict[str, Any],
     capsys: pytest.CaptureFixture[str],
+    transport: str,
 ) -> None:
-    config, adapter = pipeline_config(tmp_path, env)
+    """Jobs that completed, failed at once (exit 3), were cancelled while running and while pending, timed out,
+    were suspended and resumed (``scontrol suspend``/``resume``), and were requeued while running (``scontrol
+    requeue``: Slurm runs the job again under the same id, and plain ``sacct -j`` then shows the last run alone),
+    over the cli and ssh transports (slurmrestd's run did not finish on a cluster loaded by another test run; its
+    readings are tested in test_slurm_adapter.py and test_slurm_metering.py): the records add up to Slurm's own accounting of every run, and ``usage reconcile`` agrees.
+    A node failure is not produced here: the one node is shared by every test that runs."""
+    config, adapter = pipeline_config(tmp_path, env, transport=transport)
 
-    def submit(script: str, **spec: Any) -> str:
-        spec.setdefault("resources", {"memory_mb_per_node": 256})
+    def submit(label: str) -> str:
+        script, spec = OUTCOMES[label]
+        spec = {"resources": {"memory_mb_per_node": 256}, **spec}
         return pipe.submit(job_id=sc.workflow_id(SCOPE.rstrip("-")), script=script, **spec)
 
     async with running_pipeline(client, config, key_path, adapter, task_queue) as pipe:
         # Held (it never starts), then cancelled while pending: no record, and nothing to bill.
         adapter.hold = True
-        never_ran = submit("#!/bin/bash\nsleep 300\n")
+        never_ran = pipe.submit(job_id=sc.workflow_id(SCOPE.rstrip("-")), script="#!/bin/bash\nsleep 300\n")
         for _ in range(300):
             await pipe.poller.poll_once()
             if getattr(pipe.ledger.job(never_ran), "scheduler_job_id", None):
@@ -93,29 +160,31 @@ async def test_reconcile_agrees_with_sacct_for_jobs_of_every_outcome(
             await asyncio.sleep(0.3)
         adapter.hold = False
         pipe.ledger.request_cancel(never_ran)
-        jobs = {
-            "completed": submit(
-                "#!/bin/bash\nsrun bash -c 'dd if=/dev/zero of=blob bs=1M count=8 status=none; rm -f blob; sleep 4'\n"
-            ),
-            "failed": submit("#!/bin/bash\nexit 3\n"),  # at once: Start = End, 0 s in sacct
-            "cancelled": submit("#!/bin/bash\nsleep 300\n"),
-            "timeout": submit("#!/bin/bash\nsleep 300\n", walltime_seconds=60),
-        }
-        for _ in range(300):
-            await pipe.poller.poll_once()
-            if getattr(pipe.ledger.job(jobs["cancelled"]), "state", None) == JobState.RUNNING:
-                break
-            await asyncio.sleep(0.3)
-        await asyncio.sleep(2)  # let it run a moment: it has usage to reconcile
-        pipe.ledger.request_cancel(jobs["cancelled"])
-        results = await pipe.run_until_done([never_ran, *jobs.values()], timeout=400)
+        jobs = {label: submit(label) for label in OUTCOMES}
+        # Each job is acted on the seconds it has been seen running (the node runs two at a time, in any order).
+        ids = await act_when_running(
+            pipe,
+            {
+                jobs["cancelled"]: [(2, lambda _: pipe.ledger.request_cancel(jobs["cancelled"]))],
+                jobs["suspended"]: [  # suspended 6 s: none of this is run time, on any transport
+                    (3, lambda sid: sc.slurm_command(env, ["scontrol", "suspend", sid])),
+                    (9, lambda sid: sc.slurm_command(env, ["scontrol", "resume", sid])),
+                ],
+                # the first run holds its allocation for a while, and reports it
+                jobs["requeued"]: [(8, lambda sid: sc.slurm_command(env, ["scontrol", "requeue", sid]))],
+            },
+        )
+        requeued = ids[jobs["requeued"]]
+        results = await pipe.run_until_done([never_ran, *jobs.values()], timeout=600)
     assert results[never_ran].state == JobState.CANCELLED and not pipe.ledger.usage_records(never_ran)
-    assert {label: results[j].state for label, j in jobs.items()} == {
-        "completed": JobState.COMPLETED,
-        "failed": JobState.FAILED,
-        "cancelled": JobState.CANCELLED,
-        "timeout": JobState.TIMEOUT,
+    assert {label: results[j].state for label, j in jobs.items()} == ENDS, {
+        label: results[j].message for label, j in jobs.items()
     }
+    assert JobState.SUSPENDED in pipe.states_of(jobs["suspended"])
+    runs = sacct_runs(env, requeued)
+    assert [run["State"] for run in runs] == ["REQUEUED", "COMPLETED"] and int(runs[0]["ElapsedRaw"]) >= 8, (
+        runs
+    )
 
     config_file = tmp_path / "provider.json"
     config_file.write_text(config.model_dump_json(exclude_defaults=True))
@@ -127,27 +196,31 @@ async def test_reconcile_agrees_with_sacct_for_jobs_of_every_outcome(
         assert "Traceback" not in err, err
         return code, out
 
-    shown = []
+    figures = []
     for label, job_id in jobs.items():
         records = pipe.ledger.usage_records(job_id)
         assert records and records[-1].is_final, f"{label}: a job Slurm started has its final record"
-        # Independently of the command: the records add up to sacct's own figures.
-        row = sacct_job(env, records[-1].scheduler_job_id)
+        assert sum(1 for r in records if r.is_final) == 1
+        # Independently of the command: the records add up to sacct's own figures, every run of the job.
+        slurm_id = records[-1].scheduler_job_id
+        elapsed = sacct_elapsed(env, slurm_id)
         total = sum_metrics([r.metrics for r in records])
-        assert total.wall_clock_seconds == int(row["ElapsedRaw"]), (label, row, total)
-        assert total.memory_gb_seconds == (Decimal(256 * 2**20) / 10**9 * int(row["ElapsedRaw"])).quantize(
+        assert total.wall_clock_seconds == elapsed, (label, sacct_runs(env, slurm_id), total)
+        assert total.cpu_core_seconds == elapsed  # one core, held for the run time (every run)
+        assert total.memory_gb_seconds == (Decimal(256 * 2**20) / 10**9 * elapsed).quantize(
             Decimal("0.000001")
         )
         code, out = await cli("usage", "reconcile", "--job", job_id)
-        shown.append(f"{label}:\n{out}")
         assert code == 0, out
-        assert out.startswith(
-            f"OK    job {job_id}: {records[-1].scheduler_job_id} on {config.hpc.cluster_id}"
-        )
+        assert out.startswith(f"OK    job {job_id}: {slurm_id} on {config.hpc.cluster_id}")
         assert "every metric within tolerance" in out
         lines = {line.split()[0]: line.split() for line in out.splitlines() if line.startswith("      ")}
-        assert lines["wall_clock_seconds"][1:3] == [row["ElapsedRaw"], row["ElapsedRaw"]]
+        assert lines["wall_clock_seconds"][1:3] == [str(elapsed), str(elapsed)]
         assert lines["cpu_time_seconds"][-1] == "ok" and lines["disk_bytes_written"][-1] == "ok"
+        figures.append(
+            f"{transport:5} {label:10} {len(records):3} records  {total.wall_clock_seconds} s billed  "
+            f"sacct {elapsed} s  cpu_time {lines['cpu_time_seconds'][1]} / {lines['cpu_time_seconds'][2]}"
+        )
         # And the records keep the format's rules: periods that follow each other, allocation x run time.
         code, out = await cli("usage", "verify", "--job", job_id)
         assert code == 0, out
@@ -160,8 +233,12 @@ async def test_reconcile_agrees_with_sacct_for_jobs_of_every_outcome(
 
     code, out = await cli("usage", "reconcile", "--since", "1h")
     assert code == 0 and out.rstrip().endswith(
-        "5 jobs: 5 agree, 0 differ, 0 cannot be reconciled, 0 still running"
+        "7 jobs: 7 agree, 0 differ, 0 cannot be reconciled, 0 still running"
     ), out
+    with capsys.disabled():  # the figures docs/usage-records.md gives, for a reader of the test's output
+        print("\n" + "\n".join(figures))
+    if transport != "cli":
+        return  # what follows is the command's own, the same whatever the transport
 
     # A record changed behind the provider's back: five seconds more than Slurm clocked.
     done = pipe.ledger.usage_records(jobs["completed"])[-1]
@@ -188,71 +265,13 @@ async def test_reconcile_agrees_with_sacct_for_jobs_of_every_outcome(
     assert code == 1 and out.startswith(f"DIFF  job {jobs['timeout']}") and "sequence gap: missing 2" in out
     code, out = await cli("usage", "reconcile", "--since", "1h")
     failed_id = results[jobs["failed"]].scheduler_job_id or ""
-    ran = sacct_job(env, failed_id)["ElapsedRaw"]  # 0 s, or 1 s when the second ticked over
+    ran = sacct_elapsed(env, failed_id)  # 0 s, or 1 s when the second ticked over
     assert code == 1
     assert (
         f"DIFF  job {jobs['failed']}: {failed_id} on {config.hpc.cluster_id} ran ({ran} s) but the chain holds "
         "no usage record of it"
     ) in out, out
-    assert out.rstrip().endswith("5 jobs: 2 agree, 3 differ, 0 cannot be reconciled, 0 still running"), out
-    print("\n".join(shown))  # the reports, for a reader of the test's output
-
-
-@pytest.mark.timeout(600)  # Slurm holds a requeued job back for ~2 minutes (BeginTime) before it runs again
-async def test_a_requeued_job_is_billed_for_every_run_and_reconciles(
-    client: Client,
-    tmp_path: Path,
-    key_path: Path,
-    task_queue: str,
-    env: dict[str, Any],
-    capsys: pytest.CaptureFixture[str],
-) -> None:
-    """``scontrol requeue`` while the job runs: Slurm runs it again under the same id (after ~2 minutes), and
-    plain ``sacct -j`` then shows the last run alone. Both runs held the allocation: the records bill both, and
-    ``usage reconcile`` agrees, because the adapter reads every run (``sacct --duplicates``)."""
-    config, adapter = pipeline_config(tmp_path, env)
-    script = '#!/bin/bash\nif [ "${SLURM_RESTART_COUNT:-0}" -gt 0 ]; then sleep 3; exit 0; fi\nsleep 300\n'
-    async with running_pipeline(client, config, key_path, adapter, task_queue) as pipe:
-        job_id = pipe.submit(
-            job_id=sc.workflow_id(SCOPE.rstrip("-")), script=script, resources={"memory_mb_per_node": 256}
-        )
-        for _ in range(300):
-            await pipe.poller.poll_once()
-            if getattr(pipe.ledger.job(job_id), "state", None) == JobState.RUNNING:
-                break
-            await asyncio.sleep(0.3)
-        await asyncio.sleep(8)  # the first run holds its allocation for a while, and reports it
-        slurm_id = pipe.ledger.job(job_id).scheduler_job_id
-        sc.slurm_command(env, ["scontrol", "requeue", slurm_id])
-        results = await pipe.run_until_done([job_id], timeout=400)
-    assert results[job_id].state == JobState.COMPLETED
-
-    runs = sc.slurm_command(
-        env, ["sacct", "--duplicates", "-X", "-P", "-n", "-j", slurm_id, "-o", "State,ElapsedRaw"]
-    ).split()
-    elapsed = [int(run.split("|")[1]) for run in runs]
-    assert [run.split("|")[0] for run in runs] == ["REQUEUED", "COMPLETED"] and elapsed[0] >= 8, runs
-    records = pipe.ledger.usage_records(job_id)
-    total = sum_metrics([r.metrics for r in records])
-    assert total.wall_clock_seconds == sum(elapsed), (runs, [r.metrics.wall_clock_seconds for r in records])
-    assert total.cpu_core_seconds == sum(elapsed)  # one core, held through both runs
-    assert sum(1 for r in records if r.is_final) == 1 and records[-1].is_final
-
-    config_file = tmp_path / "provider.json"
-    config_file.write_text(config.model_dump_json(exclude_defaults=True))
-    capsys.readouterr()
-    code = await asyncio.to_thread(
-        cli_main, ["--config", str(config_file), "usage", "reconcile", "--job", job_id]
-    )
-    out, err = capsys.readouterr()
-    assert code == 0 and "Traceback" not in err, out + err
-    wall = next(line.split() for line in out.splitlines() if line.strip().startswith("wall_clock_seconds"))
-    assert wall[1:3] == [str(sum(elapsed))] * 2, out
-    code = await asyncio.to_thread(
-        cli_main, ["--config", str(config_file), "usage", "verify", "--job", job_id]
-    )
-    out, _ = capsys.readouterr()
-    assert code == 0, out
+    assert out.rstrip().endswith("7 jobs: 4 agree, 3 differ, 0 cannot be reconciled, 0 still running"), out
 
 
 @pytest.mark.timeout(600)  # Slurm holds a requeued job back for ~2 minutes (BeginTime) before it runs again
