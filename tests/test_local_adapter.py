@@ -1071,6 +1071,40 @@ async def test_an_accounts_job_directories_are_removed_as_the_account_once_its_j
     assert (adapter.job_dir(z.scheduler_job_id) / "stdout").read_text() == f"{account}\n"
 
 
+@pytest.mark.skipif(not running_as_root(), reason="pool accounts need a root worker")
+async def test_clean_empties_a_work_directory_its_tenant_made_unreadable_as_the_account(
+    make_adapter: Callable[..., LocalAdapter], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A tenant's last job can chmod 0 its own ``work/`` on its way out. ``--clean`` gives it its owner's bits back
+    before ``find`` reads it, so the account empties it, as it does any other: the worker's own removal (the
+    rest of the job directory) finds nothing of the tenant's left in it. It skipped ``work/`` itself, and the
+    tenant's files were left to a worker that can remove them only as root."""
+    account = TENANT_POOL[-1]
+    state_dir = make_adapter().state_dir
+    tenants = TenantAccounts(TenantRules(pool=(account,)), AssignmentStore(tmp_path / "a.db"))
+    adapter = LocalAdapter(
+        LocalSchedulerConfig(kill_wait="1s", allow_unisolated=True), state_dir, "c", tenants
+    )
+    x = await adapter.submit(
+        request("wf-clean-chmod0", "mkdir keep && echo x > keep/f && chmod 0 .\n", tenant="tx")
+    )
+    assert (await wait_final(adapter, x.scheduler_job_id)).state == JobState.COMPLETED
+    work = adapter.work_dir(x.scheduler_job_id)
+    assert work.stat().st_mode & 0o777 == 0, "the job left its work directory mode 0"
+    left_to_the_worker: list[list[str]] = []
+    rmtree = local_module.shutil.rmtree
+
+    def worker_removal(path: Path) -> None:
+        left_to_the_worker.append(sorted(p.name for p in (Path(path) / sup.WORK).iterdir()))
+        rmtree(path)
+
+    monkeypatch.setattr(local_module.shutil, "rmtree", worker_removal)
+    await adapter.remove_account_files(account)
+    assert left_to_the_worker == [[]], "work/ emptied as the account before the worker removes the rest"
+    assert not adapter.job_dir(x.scheduler_job_id).exists()
+    assert await adapter.account_files(account) == [] and await adapter.accounts_in_use([account]) == {}
+
+
 def test_supervisors_of_old_jobs_sample_less_often() -> None:
     """At 1,000 running jobs, a /proc scan and a status write per job per second took both cores of the
     benchmark machine (benchmarks/load.py); young jobs keep one sample a second, old ones one per 10 s."""

@@ -789,9 +789,10 @@ class LocalAdapter(SchedulerAdapter):
         entry = pwd.getpwnam(account)
         for job_id in jobs:
             work = self._jobs / job_id / sup.WORK
-            for argv in (["-type", "d", "-exec", "chmod", "u+rwx", "{}", ";"], ["-delete"]):
+            # work/ itself too (before find reads it): its last tenant may have left it unreadable.
+            for argv in (["-type", "d", "-exec", "chmod", "u+rwx", "{}", ";"], ["-mindepth", "1", "-delete"]):
                 subprocess.run(
-                    ["find", str(work), "-mindepth", "1", *argv],
+                    ["find", str(work), *argv],
                     user=entry.pw_uid,
                     group=entry.pw_gid,
                     extra_groups=[],
