@@ -4,6 +4,7 @@ found, by ``verify_log`` and through ``virtengine-hpc audit verify``; ``audit sh
 from __future__ import annotations
 
 import json
+import re
 import stat
 import subprocess
 import sys
@@ -15,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from activities.audit import (
+    EVENTS,
     GENESIS_HASH,
     AuditLog,
     _line_hash,
@@ -322,3 +324,17 @@ def test_events_since_reads_back_only_as_far_as_asked(tmp_path: Path) -> None:
 
     assert [e["details"]["scheduler_job_id"] for e in found] == ["2999", "2997", "2995"]
     assert events_since(tmp_path / "missing.log", start, ["unowned_job_found"]) == []
+
+
+def test_docs_list_every_audit_event_under_its_category() -> None:
+    """docs/production.md, "Audit events": an operator looks up there what an event means and which switch of
+    ``hpc.audit`` records it; every name the log knows is listed once, in the row of its own category."""
+    text = (Path(__file__).resolve().parents[1] / "docs" / "production.md").read_text()
+    section = text.split("### Audit events", 1)[1].split("\n### ", 1)[0]
+    listed: dict[str, list[str]] = {}
+    for row in section.splitlines():
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        if len(cells) == 3 and cells[0] not in ("category", "---"):
+            for name in re.findall(r"`(\w+)`", cells[2]):
+                listed.setdefault(name, []).append(cells[0])
+    assert listed == {name: [category.value] for name, category in EVENTS.items()}
