@@ -9,7 +9,7 @@ import subprocess
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-ABSENT = re.compile(r"\b(DESIGN|STYLE|ENVIRONMENT|REFERENCE)\.md\b|\.\./shared\b|shared/seeds\b")
+ABSENT = re.compile(r"\b(DESIGN|STYLE|ENVIRONMENT|REFERENCE)\.md\b|\bDESIGN\b|\.\./shared\b|shared/seeds\b")
 
 
 def tracked_text_files() -> list[Path]:

@@ -199,9 +199,10 @@ class JobServiceConfig(Section):
     cluster_monitor: bool = Field(
         True,
         description="Watch jobs through one cluster monitor workflow per cluster (one status query per poll "
-        "interval, whatever the number of workers; a watched job holds no activity). False: each job started "
-        "from then on waits in a heartbeating watch activity of its own, batched per worker process, as before "
-        "0.4. Fixed per job when it starts: a running job keeps the way it began with.",
+        "interval, whatever the number of workers; a watched job holds no activity), whose round also sends "
+        "running jobs' period usage records. False: each job started from then on waits in a heartbeating watch "
+        "activity of its own, batched per worker process, and sends its own records, as before 0.4. Fixed per "
+        "job when it starts: a running job keeps the way it began with.",
     )
     sweep_interval: Duration | None = Field(
         timedelta(seconds=60),
@@ -210,7 +211,9 @@ class JobServiceConfig(Section):
         "this provider's marker of a workflow and every live job of a tenant's account, and looks for those no "
         "workflow names: the duplicate of a submit whose request the scheduler completed after the retry had "
         "checked, a job whose workflow has closed while its chain job is settled (docs/reliability.md), or a job a "
-        "tenant submitted itself, which carries no valid marker (docs/operations.md). Null: no sweep. SLURM and "
+        "tenant submitted itself, which carries no valid marker (docs/operations.md). Each round also reads, in one "
+        "query, the tenants' accounts' jobs that ended since the previous round began and reports those that ran unseen "
+        "(unowned_job_found, ended: true). Null: no sweep. SLURM and "
         "MOAB (the others cannot list their jobs).",
     )
     sweep_lookback: Duration = Field(
