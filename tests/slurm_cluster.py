@@ -32,7 +32,7 @@ import pytest
 from pydantic import SecretStr
 
 from activities.chain.local_ledger import LocalLedger
-from activities.schedulers.base import NativeStatus
+from activities.schedulers.base import Accounting, NativeStatus
 from activities.schedulers.slurm import SlurmAdapter
 from virtengine_hpc.config import Config, Secrets, load_config
 from virtengine_hpc.errors import SchedulerUnavailable
@@ -240,6 +240,26 @@ async def wait_for(
 
 async def wait_final(adapter: SlurmAdapter, job_id: str, timeout: float = 120) -> NativeStatus:
     return await wait_for(adapter, job_id, lambda s: s.found and s.state.final, timeout)
+
+
+async def final_usage(adapter: SlurmAdapter, job_id: str, tries: int = 60) -> Accounting:
+    """The job's usage once the adapter calls it final (accounting records the end a moment after the controller),
+    or the last reading after ``tries`` seconds: the caller asserts ``final``."""
+    usage = await adapter.usage(job_id)
+    for _ in range(tries - 1):
+        if usage.final:
+            break
+        await asyncio.sleep(1)
+        usage = await adapter.usage(job_id)
+    return usage
+
+
+def time_used(env: dict[str, Any], job_id: str) -> int:
+    """A running job's run time in seconds as the controller's ``squeue`` says it (TimeUsed, ``[D-]HH:MM:SS``)."""
+    used = slurm_command(env, ["squeue", "-h", "-j", job_id, "-O", "TimeUsed"]).strip()
+    days, _, clock = used.rpartition("-")
+    seconds = sum(int(part) * 60**i for i, part in enumerate(reversed(clock.split(":"))))
+    return seconds + 86400 * int(days or 0)
 
 
 def slurm_command(env: dict[str, Any], argv: Sequence[str], timeout: float = 30) -> str:

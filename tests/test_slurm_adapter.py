@@ -700,10 +700,9 @@ async def test_a_suspended_jobs_run_time_excludes_its_suspension_on_every_transp
         sc.slurm_command(env, ["scontrol", "suspend", job_id])
         await sc.wait_for(adapters["cli"], job_id, lambda s: s.state == JobState.SUSPENDED, timeout=30)
         await asyncio.sleep(6)  # suspended: none of this is run time
-        used = sc.slurm_command(env, ["squeue", "-h", "-j", job_id, "-O", "TimeUsed"]).strip()
-        seconds = sum(int(part) * 60**i for i, part in enumerate(reversed(used.split(":"))))
+        seconds = sc.time_used(env, job_id)
         readings = {name: (await a.usage(job_id)).reading.wall_clock_seconds for name, a in adapters.items()}
-        assert readings == dict.fromkeys(sc.TRANSPORTS, Decimal(seconds)), (used, readings)
+        assert readings == dict.fromkeys(sc.TRANSPORTS, Decimal(seconds)), (seconds, readings)
         sc.slurm_command(env, ["scontrol", "resume", job_id])
         await asyncio.sleep(2)
         resumed = await adapters["rest"].usage(job_id)
@@ -733,11 +732,6 @@ async def test_slurmrestd_counts_a_running_jobs_time_on_the_controllers_clock(
     monkeypatch.setattr(adapter_module, "datetime", _WorkerAhead)
     wf = wid("skew")
     job_id = ""
-
-    def time_used() -> int:
-        used = sc.slurm_command(env, ["squeue", "-h", "-j", job_id, "-O", "TimeUsed"]).strip()
-        return sum(int(part) * 60**i for i, part in enumerate(reversed(used.split(":"))))
-
     try:
         submitted = await rest.submit(
             SubmitRequest(workflow_id=wf, job=sc.spec(wf, "sleep 8\n"), body="sleep 8\n")
@@ -745,17 +739,13 @@ async def test_slurmrestd_counts_a_running_jobs_time_on_the_controllers_clock(
         job_id = submitted.scheduler_job_id
         await sc.wait_for(cli, job_id, lambda s: s.state == JobState.RUNNING, timeout=120)
         await asyncio.sleep(2)
-        before = time_used()
+        before = sc.time_used(env, job_id)
         running = await rest.usage(job_id)
-        after = time_used()
+        after = sc.time_used(env, job_id)
         assert not running.final
         assert before <= running.reading.wall_clock_seconds <= after, (before, running.reading, after)
         await sc.wait_final(cli, job_id)
-        for _ in range(60):  # accounting records the end a moment after the controller
-            final = await rest.usage(job_id)
-            if final.final:
-                break
-            await asyncio.sleep(1)
+        final = await sc.final_usage(rest, job_id)
         assert final.final and final.reading.wall_clock_seconds >= running.reading.wall_clock_seconds
     finally:
         if job_id:
@@ -806,11 +796,7 @@ async def test_cli_counts_a_running_jobs_time_on_the_controllers_clock(
         monkeypatch.undo()
         assert not running.final
         await sc.wait_final(cli, job_id)
-        for _ in range(60):  # accounting records the end a moment after the controller
-            final = await cli.usage(job_id)
-            if final.final:
-                break
-            await asyncio.sleep(1)
+        final = await sc.final_usage(cli, job_id)
         assert final.final
         assert running.reading.wall_clock_seconds <= final.reading.wall_clock_seconds, (
             running.reading,

@@ -107,11 +107,7 @@ async def test_pyslurm_transport_bills_every_run_of_a_requeued_job(monkeypatch: 
                 break
             await asyncio.sleep(0.5)
         sc.slurm_command(env, ["scancel", job_id])
-        for _ in range(60):
-            usage = await pys.usage(job_id)
-            if usage.final:
-                break
-            await asyncio.sleep(1)
+        usage = await sc.final_usage(pys, job_id)
         every = runs("--duplicates")
         assert [r[0].split()[0] for r in every] == ["REQUEUED", "CANCELLED"] and int(every[0][1]) >= 4, every
         assert [r[1] for r in runs()] == ["0"]  # the latest record alone: what pyslurm's accounting API gives
