@@ -15,21 +15,22 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from temporalio.client import Client
+from temporalio.client import Client, WorkflowHandle
 
 from activities.schedulers.base import SubmitRequest, SubmitResult
 from tests.conftest import make_config
 from tests.memory_adapter import MemoryAdapter, Script
 from tests.pipeline_harness import TENANT, Pipeline, running_pipeline
 from virtengine_hpc.errors import SchedulerUnavailable
-from virtengine_hpc.messages import CancelRequest, JobStatusView, monitor_workflow_id
-from virtengine_hpc.models import PricedQueue, Pricing
+from virtengine_hpc.messages import CancelRequest, JobStatusView, JobWorkflowInput, monitor_workflow_id
+from virtengine_hpc.models import JobSpec, PricedQueue, Pricing
 from virtengine_hpc.signing import Signer
 from virtengine_hpc.states import JobState
 from virtengine_hpc.tenancy import TenantAccountError
 from virtengine_hpc.usage import sum_metrics, verify_record
 from workers.poller import ChainPoller
 from workers.wiring import job_settings
+from workflows.hpc_job import initial_search_attributes
 
 Q, R, C, F = JobState.QUEUED, JobState.RUNNING, JobState.COMPLETED, JobState.FAILED
 
@@ -386,26 +387,29 @@ async def test_search_attributes_follow_the_job(pipe: Pipeline) -> None:
     assert attrs["VeTenant"] == TENANT and attrs["VeTemplate"] == "script"
 
 
-async def test_long_job_continues_as_new_and_keeps_its_usage_sequence(pipe: Pipeline, key_path: Path) -> None:
-    """History stays bounded: the workflow continues as new and carries state (sequence, cumulative usage)."""
-    from virtengine_hpc.messages import JobWorkflowInput
-    from virtengine_hpc.models import JobSpec
-    from workers.wiring import job_settings
-    from workflows.hpc_job import initial_search_attributes
-
-    adapter(pipe).default = Script([(0, Q), (0.2, R), (9.0, C)], exit_code=0)
-    job_id = pipe.submit()
+async def start_with_settings(
+    pipe: Pipeline, job_id: str, update: dict[str, Any]
+) -> WorkflowHandle[Any, Any]:
+    """Start the workflow of the chain job ``job_id`` directly, with the worker's job settings changed by ``update``
+    (as the poller would start it, with its search attributes)."""
     spec = JobSpec.model_validate(pipe.ledger.job(job_id).raw_spec)  # type: ignore[union-attr]
-    settings = job_settings(pipe.config).model_copy(
-        update={"report_interval_seconds": 0.5, "continue_as_new_after_events": 40}
-    )
+    settings = job_settings(pipe.config).model_copy(update=update)
     inp = JobWorkflowInput(job=spec, cluster_id=pipe.cluster_id, provider=spec.provider, settings=settings)
-    handle = await pipe.client.start_workflow(
+    return await pipe.client.start_workflow(
         "HPCJobWorkflow",
         inp,
         id=job_id,
         task_queue=pipe.task_queue,
         search_attributes=initial_search_attributes(inp),
+    )
+
+
+async def test_long_job_continues_as_new_and_keeps_its_usage_sequence(pipe: Pipeline, key_path: Path) -> None:
+    """History stays bounded: the workflow continues as new and carries state (sequence, cumulative usage)."""
+    adapter(pipe).default = Script([(0, Q), (0.2, R), (9.0, C)], exit_code=0)
+    job_id = pipe.submit()
+    handle = await start_with_settings(
+        pipe, job_id, {"report_interval_seconds": 0.5, "continue_as_new_after_events": 40}
     )
     result = await pipe.handle(job_id).result()
     assert result.state == C
@@ -427,27 +431,11 @@ async def test_history_grows_by_about_six_events_per_report_cycle(pipe: Pipeline
     The same 6 s job runs twice: once with no periodic report (the fixed cost of a job), once with a report every
     0.5 s; the difference per extra record is the cost of one report cycle.
     """
-    from virtengine_hpc.messages import JobWorkflowInput
-    from virtengine_hpc.models import JobSpec
-    from workers.wiring import job_settings
-    from workflows.hpc_job import initial_search_attributes
-
     adapter(pipe).default = Script([(0, Q), (0.2, R), (6.0, C)], exit_code=0)
 
     async def run(report_interval: float) -> tuple[int, int]:
         job_id = pipe.submit()
-        spec = JobSpec.model_validate(pipe.ledger.job(job_id).raw_spec)  # type: ignore[union-attr]
-        settings = job_settings(pipe.config).model_copy(update={"report_interval_seconds": report_interval})
-        inp = JobWorkflowInput(
-            job=spec, cluster_id=pipe.cluster_id, provider=spec.provider, settings=settings
-        )
-        handle = await pipe.client.start_workflow(
-            "HPCJobWorkflow",
-            inp,
-            id=job_id,
-            task_queue=pipe.task_queue,
-            search_attributes=initial_search_attributes(inp),
-        )
+        handle = await start_with_settings(pipe, job_id, {"report_interval_seconds": report_interval})
         await pipe.handle(job_id).result()
         events = [e async for e in handle.fetch_history_events()]
         return len(events), len(pipe.ledger.usage_records(job_id))
@@ -472,23 +460,9 @@ async def test_a_report_period_adds_at_most_four_events_when_the_monitor_sends_t
     A job reports every second for 12 s: from the first record its monitor signals to the last, its history grows
     by at most 4 events per record (anything else the job did meanwhile, a timer firing, counts too).
     """
-    from virtengine_hpc.messages import JobWorkflowInput
-    from virtengine_hpc.models import JobSpec
-    from workers.wiring import job_settings
-    from workflows.hpc_job import initial_search_attributes
-
     adapter(pipe).default = Script([(0, Q), (0.2, R), (12.0, C)], exit_code=0)
     job_id = pipe.submit()
-    spec = JobSpec.model_validate(pipe.ledger.job(job_id).raw_spec)  # type: ignore[union-attr]
-    settings = job_settings(pipe.config).model_copy(update={"report_interval_seconds": 1.0})
-    inp = JobWorkflowInput(job=spec, cluster_id=pipe.cluster_id, provider=spec.provider, settings=settings)
-    handle = await pipe.client.start_workflow(
-        "HPCJobWorkflow",
-        inp,
-        id=job_id,
-        task_queue=pipe.task_queue,
-        search_attributes=initial_search_attributes(inp),
-    )
+    handle = await start_with_settings(pipe, job_id, {"report_interval_seconds": 1.0})
     await pipe.handle(job_id).result()
     events = [e async for e in handle.fetch_history_events()]
     signalled = [
@@ -510,22 +484,9 @@ async def test_a_short_job_costs_at_most_thirty_history_events(pipe: Pipeline) -
     routing, its lifecycle reports and its final record are local activities, one marker each, and the submission
     reports it queued. What it reports is what it did before: each transition once, one signed final record, the
     settlement."""
-    from virtengine_hpc.messages import JobWorkflowInput
-    from virtengine_hpc.models import JobSpec
-    from workflows.hpc_job import initial_search_attributes
-
     adapter(pipe).default = Script([(0, Q), (0.3, R), (3.0, C)], exit_code=0)
     job_id = pipe.submit()
-    spec = JobSpec.model_validate(pipe.ledger.job(job_id).raw_spec)  # type: ignore[union-attr]
-    settings = job_settings(pipe.config).model_copy(update={"report_interval_seconds": 3600})
-    inp = JobWorkflowInput(job=spec, cluster_id=pipe.cluster_id, provider=spec.provider, settings=settings)
-    handle = await pipe.client.start_workflow(
-        "HPCJobWorkflow",
-        inp,
-        id=job_id,
-        task_queue=pipe.task_queue,
-        search_attributes=initial_search_attributes(inp),
-    )
+    handle = await start_with_settings(pipe, job_id, {"report_interval_seconds": 3600})
     result = await pipe.handle(job_id).result()
     events = [e async for e in handle.fetch_history_events()]
     assert result.state == C and pipe.states_of(job_id) == [Q, R, C]
