@@ -141,13 +141,15 @@ async def test_interactive_session_serves_an_endpoint_until_cancelled(
     for _ in range(200):
         await pipe.poller.poll_once()
         job = pipe.ledger.job(job_id)
-        if job is not None and job.scheduler_job_id:
+        # The session writes its endpoint as soon as it serves; the chain hears "running" at the workflow's
+        # next status poll, so wait for both before asking either.
+        if job is not None and job.scheduler_job_id and job.state == JobState.RUNNING:
             path = job_file(pipe, job_id, f"virtengine-session-{job_id}.json")
             if path.exists():
                 endpoint = json.loads(path.read_text())
                 break
         await asyncio.sleep(0.2)
-    assert endpoint is not None, "the session published its endpoint"
+    assert endpoint is not None, "the session published its endpoint while the chain shows it running"
     assert endpoint["job_id"] == job_id and endpoint["service"] == "http" and len(endpoint["token"]) == 48
     assert oct(path.stat().st_mode & 0o777) == "0o600", "the token is readable by the job's user only"
     reply = await asyncio.to_thread(
