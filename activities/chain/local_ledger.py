@@ -25,14 +25,12 @@ with ``ROUND_HALF_EVEN``.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import math
 import re
 import sqlite3
-import threading
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from datetime import UTC, datetime, timedelta
 from decimal import ROUND_HALF_EVEN, Decimal, InvalidOperation
 from pathlib import Path
@@ -47,8 +45,20 @@ from activities.chain.client import (
     StatusReport,
     UsageSubmitResult,
 )
+from activities.chain.schema import (
+    CANCEL_SQL,
+    COUNT_PENDING_SQL,
+    HISTORY_SQL,
+    OPEN_SQL,
+    PENDING_SQL,
+    RAN_SQL,
+    SCHEMA,
+    SCHEMA_OBJECTS,
+    SCHEMA_VERSION,
+)
+from activities.chain.store import SqliteStore
 from virtengine_hpc.config import Config
-from virtengine_hpc.errors import ChainError, ChainUnavailable, IllegalTransition, SecurityError
+from virtengine_hpc.errors import ChainError, IllegalTransition, SecurityError
 from virtengine_hpc.files import ensure_private
 from virtengine_hpc.models import (
     Cluster,
@@ -66,7 +76,6 @@ from virtengine_hpc.templates.model import SignedTemplate, TemplateRecord
 from virtengine_hpc.usage import record_id as make_record_id
 from virtengine_hpc.usage import sum_metrics, verify_record
 
-SCHEMA_VERSION = "1"
 UNIT = Decimal("0.000001")
 """The ledger's smallest amount. Amounts with more decimal places are refused; charges are rounded to it."""
 ROUNDING = ROUND_HALF_EVEN
@@ -75,163 +84,6 @@ MAX_RAW_SPEC_BYTES = 2 * 1024 * 1024
 DEFAULT_BUSY_TIMEOUT = 30.0
 _JOB_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
 """Job ids are chain-assigned on a real chain; one chosen here must still be a valid identifier."""
-
-# A job belongs to the cluster it runs on: the one it reported running on, else the one its latest scheduling
-# decision selects when that is an active cluster of its provider, else the one it asked for (or its offering's);
-# a job that names no cluster is offered to every cluster of its provider. Listing it for the cluster it is
-# decided for lets that cluster's poller take it within that cluster's max_concurrent_jobs; a decision for an
-# offline cluster leaves it with the one it asked for, whose workflow may fall back to it (docs/routing.md).
-_DECIDED = (
-    "(SELECT c.cluster_id FROM clusters c WHERE c.provider = jobs.provider "
-    "AND json_extract(c.data, '$.state') = 'active' AND c.cluster_id = "
-    "(SELECT json_extract(d.data, '$.selected_cluster_id') FROM decisions d WHERE d.job_id = jobs.job_id "
-    "ORDER BY d.seq DESC LIMIT 1))"
-)
-_DESTINATION = f"COALESCE(jobs.cluster_id, {_DECIDED}, jobs.target_cluster_id)"
-_RUNS_ON = f"COALESCE({_DESTINATION}, ?2) = ?2"
-# The queries below are built from these constants only (S608 flags any built query); every value is bound.
-_PENDING_SQL = (
-    "SELECT * FROM jobs WHERE provider = ?1 AND state = 'pending' AND taken = 0 "  # noqa: S608
-    f"AND {_RUNS_ON} "
-    "AND seq > COALESCE((SELECT seq FROM jobs WHERE job_id = ?4), 0) "
-    "ORDER BY seq LIMIT ?3"
-)
-_COUNT_PENDING_SQL = (
-    "SELECT COUNT(*) FROM jobs WHERE provider = ?1 AND state = 'pending' AND taken = 0 "  # noqa: S608
-    f"AND {_RUNS_ON} "
-    "AND seq > COALESCE((SELECT seq FROM jobs WHERE job_id = ?3), 0)"
-)
-# Cancel requests of jobs a workflow has taken (they may be running, and billed) before those of jobs still
-# waiting to be taken; in each group in turns by tenant (each tenant's oldest first, then each one's second, ...):
-# a flood of cancels, one tenant's or many tenants' pending jobs, does not push another's to the end of the list.
-# At most ?4 of them, after job ?3 in that order (from the first when ?3 is not in the list).
-_CANCEL_SQL = (
-    "WITH ordered AS (SELECT job_id, seq, waiting, "  # noqa: S608
-    "ROW_NUMBER() OVER (PARTITION BY tenant, waiting ORDER BY seq) AS turn FROM "
-    "(SELECT job_id, seq, tenant, (state = 'pending' AND taken = 0) AS waiting FROM jobs "
-    "WHERE provider = ?1 AND cancel_requested = 1 "
-    "AND state NOT IN ('completed', 'failed', 'timeout', 'cancelled') "
-    f"AND {_RUNS_ON})), "
-    "mark AS (SELECT waiting, turn, seq FROM ordered WHERE job_id = ?3) "
-    "SELECT job_id FROM ordered WHERE NOT EXISTS (SELECT 1 FROM mark) "
-    "OR (waiting, turn, seq) > (SELECT waiting, turn, seq FROM mark) "
-    "ORDER BY waiting, turn, seq LIMIT ?4"
-)
-_OPEN_SQL = (
-    "SELECT * FROM jobs WHERE provider = ?1 "  # noqa: S608
-    "AND state NOT IN ('completed', 'failed', 'timeout', 'cancelled') "
-    f"AND {_RUNS_ON} "
-    "AND seq > COALESCE((SELECT seq FROM jobs WHERE job_id = ?3), 0) "
-    "ORDER BY seq LIMIT ?4"
-)
-_RAN_SQL = (
-    "SELECT 1 FROM job_history WHERE job_id = ? AND to_state IN ('starting', 'running', 'suspended') LIMIT 1"
-)
-_HISTORY_SQL = (
-    "INSERT INTO job_history (job_id, from_state, to_state, message, exit_code, at, block_height) "
-    "VALUES (?, ?, ?, ?, ?, ?, ?)"
-)
-
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
-CREATE TABLE IF NOT EXISTS accounts (account TEXT PRIMARY KEY, balance TEXT NOT NULL);
-CREATE TABLE IF NOT EXISTS transfers (
-    id INTEGER PRIMARY KEY AUTOINCREMENT,
-    at TEXT NOT NULL,
-    kind TEXT NOT NULL,
-    account TEXT NOT NULL,
-    amount TEXT NOT NULL,
-    job_id TEXT
-);
-CREATE INDEX IF NOT EXISTS transfers_job ON transfers (job_id);
-CREATE TABLE IF NOT EXISTS clusters (cluster_id TEXT PRIMARY KEY, provider TEXT NOT NULL, data TEXT NOT NULL);
-CREATE TABLE IF NOT EXISTS queues (offering_id TEXT PRIMARY KEY, cluster_id TEXT NOT NULL, data TEXT NOT
-NULL); CREATE TABLE IF NOT EXISTS provider_keys (
-    provider TEXT NOT NULL,
-    key_id TEXT NOT NULL,
-    public_key TEXT NOT NULL,
-    registered_at TEXT NOT NULL,
-    PRIMARY KEY (provider, key_id)
-);
-CREATE TABLE IF NOT EXISTS jobs (
-    seq INTEGER PRIMARY KEY AUTOINCREMENT,
-    job_id TEXT NOT NULL UNIQUE,
-    tenant TEXT NOT NULL,
-    provider TEXT NOT NULL,
-    offering_id TEXT NOT NULL,
-    target_cluster_id TEXT,
-    cluster_id TEXT,
-    raw_spec TEXT NOT NULL,
-    state TEXT NOT NULL,
-    status_message TEXT NOT NULL DEFAULT '',
-    exit_code INTEGER,
-    scheduler_job_id TEXT,
-    cancel_requested INTEGER NOT NULL DEFAULT 0,
-    taken INTEGER NOT NULL DEFAULT 0,
-    escrow TEXT NOT NULL,
-    block_height INTEGER NOT NULL,
-    created_at TEXT NOT NULL,
-    updated_at TEXT NOT NULL
-);
-CREATE INDEX IF NOT EXISTS jobs_by_provider ON jobs (provider, state, taken, seq);
-CREATE TABLE IF NOT EXISTS job_history (
-    id INTEGER PRIMARY KEY AUTOINCREMENT,
-    job_id TEXT NOT NULL,
-    from_state TEXT,
-    to_state TEXT NOT NULL,
-    message TEXT NOT NULL,
-    exit_code INTEGER,
-    at TEXT NOT NULL,
-    block_height INTEGER NOT NULL
-);
-CREATE INDEX IF NOT EXISTS job_history_job ON job_history (job_id, id);
-CREATE TABLE IF NOT EXISTS decisions (
-    seq INTEGER PRIMARY KEY AUTOINCREMENT,
-    decision_id TEXT NOT NULL UNIQUE,
-    job_id TEXT NOT NULL,
-    data TEXT NOT NULL
-);
-CREATE INDEX IF NOT EXISTS decisions_job ON decisions (job_id, seq);
-CREATE TABLE IF NOT EXISTS usage_records (
-    record_id TEXT PRIMARY KEY,
-    job_id TEXT NOT NULL,
-    sequence INTEGER NOT NULL,
-    is_final INTEGER NOT NULL,
-    data TEXT NOT NULL,
-    received_at TEXT NOT NULL,
-    UNIQUE (job_id, sequence)
-);
-CREATE TABLE IF NOT EXISTS job_prices (
-    job_id TEXT PRIMARY KEY,
-    fixed_at TEXT NOT NULL,
-    fixed_when TEXT NOT NULL,
-    data TEXT NOT NULL
-);
-CREATE TABLE IF NOT EXISTS settlements (
-    job_id TEXT PRIMARY KEY,
-    kind TEXT NOT NULL,
-    data TEXT NOT NULL
-);
-CREATE TABLE IF NOT EXISTS publisher_keys (
-    publisher TEXT NOT NULL,
-    key_id TEXT NOT NULL,
-    public_key TEXT NOT NULL,
-    registered_at TEXT NOT NULL,
-    PRIMARY KEY (publisher, key_id)
-);
-CREATE TABLE IF NOT EXISTS templates (
-    seq INTEGER PRIMARY KEY AUTOINCREMENT,
-    template_id TEXT NOT NULL,
-    version TEXT NOT NULL,
-    publisher TEXT NOT NULL,
-    status TEXT NOT NULL,
-    data TEXT NOT NULL,
-    UNIQUE (template_id, version)
-);
-CREATE INDEX IF NOT EXISTS templates_by_id ON templates (template_id, seq);
-"""
-
-_SCHEMA_OBJECTS = frozenset(re.findall(r"CREATE (?:TABLE|INDEX) IF NOT EXISTS (\w+)", _SCHEMA))
 
 
 # ---- views returned by the inspection methods --------------------------------------------------------------
@@ -434,7 +286,7 @@ class LocalLedger:
         self.path = Path(path)
         self.busy_timeout = busy_timeout
         self._clock = clock or (lambda: datetime.now(UTC))
-        self._local = threading.local()
+        self._store = SqliteStore(self.path, busy_timeout=busy_timeout)
         # Every job's script and environment is in this file: private to the provider's account (its -wal and
         # -shm files get the same mode from SQLite).
         try:
@@ -454,57 +306,14 @@ class LocalLedger:
     # ---- connections and transactions ----------------------------------------------------------------------
 
     def _connect(self) -> sqlite3.Connection:
-        """This thread's connection, opened once and reused: opening and closing a SQLite connection per call
-        cost about 3 ms, more than most of the calls themselves."""
-        conn: sqlite3.Connection | None = getattr(self._local, "conn", None)
-        if conn is not None:
-            return conn
-        try:
-            conn = sqlite3.connect(self.path, timeout=self.busy_timeout, isolation_level=None)
-        except sqlite3.Error as exc:
-            raise ChainUnavailable(f"cannot open ledger {self.path}: {exc}") from None
-        conn.row_factory = sqlite3.Row
-        try:
-            # WAL + NORMAL survives process crashes; only a power cut can lose the last commits.
-            conn.execute("PRAGMA synchronous=NORMAL")
-        except sqlite3.DatabaseError as exc:
-            conn.close()
-            raise ChainError(f"ledger {self.path} is not a usable SQLite database: {exc}") from None
-        self._local.conn = conn
-        return conn
+        return self._store.connect()
 
     def _discard_connection(self) -> None:
-        conn = getattr(self._local, "conn", None)
-        self._local.conn = None
-        if conn is not None:
-            with contextlib.suppress(sqlite3.Error):
-                conn.close()
+        self._store.discard_connection()
 
-    @contextmanager
-    def _tx(self, write: bool) -> Iterator[sqlite3.Connection]:
-        """One transaction: ``BEGIN IMMEDIATE`` for writes (take the write lock up front, wait on busy), else
-        a deferred read snapshot. Commits on success, rolls back on any exception."""
-        conn = self._connect()
-        try:
-            try:
-                conn.execute("BEGIN IMMEDIATE" if write else "BEGIN")
-            except sqlite3.OperationalError as exc:
-                raise ChainUnavailable(f"ledger {self.path} is busy: {exc}") from None
-            try:
-                yield conn
-            except BaseException:
-                if conn.in_transaction:
-                    conn.execute("ROLLBACK")
-                raise
-            conn.execute("COMMIT")
-        except sqlite3.OperationalError as exc:
-            self._discard_connection()
-            if "locked" in str(exc) or "busy" in str(exc):
-                raise ChainUnavailable(f"ledger {self.path} is busy: {exc}") from None
-            raise ChainError(f"ledger {self.path}: {exc}") from None
-        except sqlite3.DatabaseError:
-            self._discard_connection()
-            raise
+    def _tx(self, write: bool) -> AbstractContextManager[sqlite3.Connection]:
+        """One transaction of the store (``SqliteStore.tx``): ``BEGIN IMMEDIATE`` for writes, else a read."""
+        return self._store.tx(write)
 
     def _init_schema(self, seconds_per_block: float, genesis: datetime) -> None:
         conn = self._connect()
@@ -528,7 +337,7 @@ class LocalLedger:
         meta = self._complete_schema(set(defaults))
         if meta is None:
             with self._tx(write=True) as db:
-                for statement in _SCHEMA.split(";"):
+                for statement in SCHEMA.split(";"):
                     if statement.strip():
                         db.execute(statement)
                 for key, value in defaults.items():
@@ -551,7 +360,7 @@ class LocalLedger:
         """
         with self._tx(write=False) as db:
             names = {row[0] for row in db.execute("SELECT name FROM sqlite_master")}
-            if not names >= _SCHEMA_OBJECTS:
+            if not names >= SCHEMA_OBJECTS:
                 return None
             meta = {row["key"]: row["value"] for row in db.execute("SELECT key, value FROM meta")}
         return meta if keys <= set(meta) else None
@@ -846,7 +655,7 @@ class LocalLedger:
                 ),
             )
             db.execute(
-                _HISTORY_SQL,
+                HISTORY_SQL,
                 (
                     job_id,
                     None,
@@ -957,7 +766,7 @@ class LocalLedger:
 
     def _pending_jobs(self, cluster_id: str, provider: str, limit: int, after: str | None) -> list[ChainJob]:
         with self._tx(write=False) as db:
-            rows = db.execute(_PENDING_SQL, (provider, cluster_id, max(0, limit), after)).fetchall()
+            rows = db.execute(PENDING_SQL, (provider, cluster_id, max(0, limit), after)).fetchall()
         return [self._chain_job(r) for r in rows]
 
     async def pending_jobs(
@@ -973,7 +782,7 @@ class LocalLedger:
 
     def _count_pending_jobs(self, cluster_id: str, provider: str, after: str | None) -> int:
         with self._tx(write=False) as db:
-            return int(db.execute(_COUNT_PENDING_SQL, (provider, cluster_id, after)).fetchone()[0])
+            return int(db.execute(COUNT_PENDING_SQL, (provider, cluster_id, after)).fetchone()[0])
 
     async def count_pending_jobs(self, cluster_id: str, provider: str, after: str | None = None) -> int:
         """How many jobs ``pending_jobs`` would list after job ``after``, all of them, without reading them."""
@@ -994,7 +803,7 @@ class LocalLedger:
         self, cluster_id: str, provider: str, limit: int, after: str | None
     ) -> list[str]:
         with self._tx(write=False) as db:
-            rows = db.execute(_CANCEL_SQL, (provider, cluster_id, after, max(0, limit))).fetchall()
+            rows = db.execute(CANCEL_SQL, (provider, cluster_id, after, max(0, limit))).fetchall()
         return [r["job_id"] for r in rows]
 
     async def cancel_requested_jobs(
@@ -1006,7 +815,7 @@ class LocalLedger:
 
     def _open_jobs(self, cluster_id: str, provider: str, limit: int, after: str | None) -> list[ChainJob]:
         with self._tx(write=False) as db:
-            rows = db.execute(_OPEN_SQL, (provider, cluster_id, after, max(0, limit))).fetchall()
+            rows = db.execute(OPEN_SQL, (provider, cluster_id, after, max(0, limit))).fetchall()
         return [self._chain_job(r) for r in rows]
 
     async def open_jobs(
@@ -1182,7 +991,7 @@ class LocalLedger:
             for step in path:
                 implied = step != report.state
                 db.execute(
-                    _HISTORY_SQL,
+                    HISTORY_SQL,
                     (
                         report.job_id,
                         previous.value,
@@ -1229,7 +1038,7 @@ class LocalLedger:
 
     @staticmethod
     def _never_ran(db: sqlite3.Connection, job_id: str) -> bool:
-        return not db.execute(_RAN_SQL, (job_id,)).fetchone()
+        return not db.execute(RAN_SQL, (job_id,)).fetchone()
 
     @staticmethod
     def _has_records(db: sqlite3.Connection, job_id: str) -> bool:
