@@ -17,8 +17,10 @@ down: ## stop the demo worker, the Temporal dev server and the SLURM cluster if 
 venv:
 	scripts/setup-venv.sh test
 
-lint:
-	.venv/bin/ruff check . && .venv/bin/ruff format --check . && .venv/bin/mypy virtengine_hpc workflows activities workers
+lint: ## ruff (lint, format), mypy, and the layer contract ([tool.importlinter] in pyproject.toml, docs/architecture.md)
+	.venv/bin/ruff check . && .venv/bin/ruff format --check . \
+		&& .venv/bin/mypy virtengine_hpc workflows activities workers $(wildcard cli node_agent) \
+		&& .venv/bin/lint-imports --no-logo
 
 bench:
 	.venv/bin/python benchmarks/pipeline.py

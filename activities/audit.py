@@ -30,12 +30,12 @@ import threading
 from collections.abc import Callable, Collection, Iterator, Mapping
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
-from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
+from virtengine_hpc.audit_events import AuditEvent, Category
 from virtengine_hpc.config import AuditConfig
 from virtengine_hpc.files import PRIVATE_MODE, ensure_private
 from virtengine_hpc.signing import Signer, canonical_bytes, canonical_time, key_id, verify
@@ -48,62 +48,8 @@ ANCHOR_BLOCK = 1024
 _JWT_LIKE = re.compile(r"eyJ[A-Za-z0-9_-]{8,}\.[A-Za-z0-9_-]{8,}\.[A-Za-z0-9_-]{8,}")
 
 
-class Category(StrEnum):
-    JOB = "job"
-    SECURITY = "security"
-    USAGE = "usage"
-    ROUTING = "routing"
-    SERVICE = "service"
-    NODE = "node"
-
-
-# Every event name the seeds and the reference use, with its category (which decides the config switch).
-EVENTS: dict[str, Category] = {
-    "job_submitted": Category.JOB,
-    "job_cancelled": Category.JOB,
-    "job_lifecycle_event": Category.JOB,
-    "job_validation_failed": Category.JOB,
-    "job_submission_failed": Category.JOB,
-    "job_cancellation_failed": Category.JOB,
-    "job_max_retries_exceeded": Category.JOB,
-    "job_queue_full": Category.JOB,
-    "job_routing_rejected": Category.ROUTING,
-    "status_reported": Category.JOB,
-    "status_report_failed": Category.JOB,
-    "state_recovered": Category.JOB,
-    "job_parked": Category.JOB,
-    "duplicate_job_cancelled": Category.JOB,  # this project's own: racing submit attempts' extra job
-    "unowned_job_cancelled": Category.JOB,  # this project's own: a job no workflow names, cancelled by the sweep
-    "unowned_job_found": Category.JOB,  # this project's own: the same, reported only (unowned_jobs: report)
-    "job_reconciled": Category.JOB,  # this project's own: the reconciler closes a job no open workflow owns
-    "usage_reported": Category.USAGE,
-    "usage_report_failed": Category.USAGE,
-    "accounting_reported": Category.USAGE,
-    "accounting_report_failed": Category.USAGE,
-    "settlement_completed": Category.USAGE,
-    "routing_enforcement_passed": Category.ROUTING,
-    "routing_enforcement_failed": Category.ROUTING,
-    "routing_enforced": Category.ROUTING,
-    "routing_decision_missing": Category.ROUTING,
-    "routing_fallback_used": Category.ROUTING,
-    "routing_decision_refreshed": Category.ROUTING,
-    "routing_stale_decision_allowed": Category.ROUTING,
-    "routing_violation": Category.ROUTING,
-    "security_violation": Category.SECURITY,
-    "adoption_refused": Category.SECURITY,  # this project's own: a look-alike scheduler job was not adopted
-    "tenant_account_released": Category.SECURITY,  # this project's own: a pool account left its tenant
-    "tenant_account_release_refused": Category.SECURITY,  # this project's own: its jobs or files stay
-    "signature_invalid": Category.SECURITY,
-    "template_rejected": Category.SECURITY,
-    "heartbeat_rejected": Category.SECURITY,
-    "node_registration_rejected": Category.SECURITY,
-    "node_registered": Category.NODE,
-    "node_state_changed": Category.NODE,
-    "node_drained": Category.NODE,
-    "node_resumed": Category.NODE,
-    "service_started": Category.SERVICE,
-    "service_stopped": Category.SERVICE,
-}
+# Every event name, with its category (which decides the config switch): ``AuditEvent`` defines them.
+EVENTS: dict[str, Category] = {event.value: event.category for event in AuditEvent}
 
 
 def _scrub(value: Any) -> Any:
@@ -181,7 +127,7 @@ class AuditLog:
 
     def record(
         self,
-        event_type: str,
+        event_type: AuditEvent,
         *,
         job_id: str | None = None,
         cluster_id: str | None = None,
@@ -191,7 +137,9 @@ class AuditLog:
         details: Mapping[str, Any] | None = None,
         timestamp: datetime | None = None,
     ) -> dict[str, Any] | None:
-        """Append one event; returns the written entry (``None`` when its category is switched off)."""
+        """Append one event; returns the written entry (``None`` when its category is switched off).
+
+        ``event_type`` is written as the plain string of its name (a string with a known name is taken too)."""
         category = EVENTS.get(event_type)
         if category is None:
             raise ValueError(f"unknown audit event type {event_type!r}")
@@ -199,7 +147,7 @@ class AuditLog:
             return None
         entry: dict[str, Any] = {
             "timestamp": (timestamp or datetime.now(UTC)).isoformat(),
-            "event_type": event_type,
+            "event_type": str(event_type),
             "category": category.value,
             "job_id": job_id,
             "cluster_id": cluster_id,

@@ -38,6 +38,18 @@ from activities.schedulers.base import (
 from activities.schedulers.batch.workdir import UNSAFE as WORK_DIR_UNSAFE
 from activities.schedulers.batcher import StatusBatcher
 from activities.usage_batcher import UsageBatcher
+from virtengine_hpc.activity_names import (
+    CANCEL_JOB,
+    FIND_JOB,
+    PARK_JOB,
+    RECOVER_JOB,
+    REPORT_TRANSITION,
+    REPORT_USAGE,
+    ROUTE_JOB,
+    SUBMIT_JOB,
+    WATCH_JOB,
+)
+from virtengine_hpc.audit_events import AuditEvent
 from virtengine_hpc.config import Config
 from virtengine_hpc.errors import (
     ChainError,
@@ -157,7 +169,7 @@ class JobActivities:
         """A look-alike (a scheduler job named like a workflow's own without its marker) was not adopted: it is
         nobody's job here, so nothing bills it; the audit names it for the operator."""
         self.audit.record(
-            "adoption_refused",
+            AuditEvent.ADOPTION_REFUSED,
             job_id=refusal.workflow_id,
             cluster_id=refusal.cluster_id,
             success=False,
@@ -186,7 +198,7 @@ class JobActivities:
 
     # ---- routing and validation ---------------------------------------------------------------------------------
 
-    @activity.defn(name="route_job")
+    @activity.defn(name=ROUTE_JOB)
     async def route_job(self, request: RouteRequest) -> RouteOutcome:
         """Check the job's routing, its partition's bounds and its program (the body is rendered to check it and
         then dropped: ``submit_job`` renders it again where it submits, so no result carries it)."""
@@ -219,7 +231,7 @@ class JobActivities:
             await self._resolve(job, adapter)
         except ValidationError as exc:
             self.audit.record(
-                "job_validation_failed",
+                AuditEvent.JOB_VALIDATION_FAILED,
                 job_id=request.job.job_id,
                 cluster_id=request.cluster_id,
                 success=False,
@@ -312,7 +324,7 @@ class JobActivities:
 
     # ---- submission ---------------------------------------------------------------------------------------------
 
-    @activity.defn(name="submit_job")
+    @activity.defn(name=SUBMIT_JOB)
     async def submit_job(self, request: SubmitInput) -> SubmitOutput:
         """Submit the job once, however many attempts run, even side by side.
 
@@ -348,7 +360,9 @@ class JobActivities:
             self._audit_security(request, exc)
             last = not exc.transient or (request.max_attempts and attempt.number >= request.max_attempts)
             if last:
-                event = "job_max_retries_exceeded" if exc.transient else "job_submission_failed"
+                event = (
+                    AuditEvent.JOB_MAX_RETRIES_EXCEEDED if exc.transient else AuditEvent.JOB_SUBMISSION_FAILED
+                )
                 self.audit.record(
                     event,
                     job_id=request.job.job_id,
@@ -415,13 +429,13 @@ class JobActivities:
         directory, a scheduler answer its login shell altered) is also a security event, for the operator."""
         if isinstance(exc, SecurityError) or exc.code == WORK_DIR_UNSAFE:
             self.audit.record(
-                "security_violation",
+                AuditEvent.SECURITY_VIOLATION,
                 job_id=request.job.job_id,
                 cluster_id=request.cluster_id,
                 success=False,
                 severity=SECURITY_REFUSAL_SEVERITY,
                 error_msg=str(exc),
-                details={"code": exc.code, "step": "submit_job"},
+                details={"code": exc.code, "step": SUBMIT_JOB},
             )
 
     def _audit_submission(
@@ -430,7 +444,7 @@ class JobActivities:
         job_id, cluster_id = request.job.job_id, request.cluster_id
         for duplicate in result.duplicates_cancelled:
             self.audit.record(
-                "duplicate_job_cancelled",
+                AuditEvent.DUPLICATE_JOB_CANCELLED,
                 job_id=job_id,
                 cluster_id=cluster_id,
                 details={
@@ -441,7 +455,7 @@ class JobActivities:
                 },
             )
         self.audit.record(
-            "job_submitted",
+            AuditEvent.JOB_SUBMITTED,
             job_id=job_id,
             cluster_id=cluster_id,
             details={
@@ -452,7 +466,7 @@ class JobActivities:
         )
         if result.adopted:
             self.audit.record(
-                "state_recovered",
+                AuditEvent.STATE_RECOVERED,
                 job_id=job_id,
                 cluster_id=cluster_id,
                 details={
@@ -491,7 +505,7 @@ class JobActivities:
     def _unprepared(self, request: SubmitInput, exc: HPCError) -> ApplicationError:
         if not exc.transient:
             self.audit.record(
-                "job_validation_failed",
+                AuditEvent.JOB_VALIDATION_FAILED,
                 job_id=request.job.job_id,
                 cluster_id=request.cluster_id,
                 success=False,
@@ -501,7 +515,7 @@ class JobActivities:
             str(exc), {"code": exc.code}, type="SubmissionUnprepared", non_retryable=not exc.transient
         )
 
-    @activity.defn(name="find_job")
+    @activity.defn(name=FIND_JOB)
     async def find_job(self, request: FindInput) -> FindOutput:
         """The scheduler job that carries the workflow id, if any: asked when every submit attempt failed
         without the scheduler refusing the job (timeouts, lost answers), since such an attempt may well have
@@ -513,7 +527,7 @@ class JobActivities:
             raise to_application_error(exc) from None
         if found is not None:
             self.audit.record(
-                "state_recovered",
+                AuditEvent.STATE_RECOVERED,
                 job_id=request.job_id,
                 cluster_id=request.cluster_id,
                 details={
@@ -530,7 +544,7 @@ class JobActivities:
         tenant = job.raw_spec.get("tenant") if job is not None else None
         return tenant if isinstance(tenant, str) else None
 
-    @activity.defn(name="recover_job")
+    @activity.defn(name=RECOVER_JOB)
     async def recover_job(self, request: RecoverInput) -> RecoverOutput:
         """Where a job an earlier run left open stands: its scheduler job (looked up by the workflow id when the
         earlier run had none) and the usage records the chain already holds, so the recovery run cancels the
@@ -559,7 +573,7 @@ class JobActivities:
                 scheduler_lost=lost,
             )
         self.audit.record(
-            "state_recovered",
+            AuditEvent.STATE_RECOVERED,
             job_id=request.job_id,
             cluster_id=request.cluster_id,
             details={
@@ -570,7 +584,7 @@ class JobActivities:
         )
         return out
 
-    @activity.defn(name="park_job")
+    @activity.defn(name=PARK_JOB)
     async def park_job(self, request: ParkInput) -> None:
         """A job waits for an operator: say so where operators look (audit, error log)."""
         log.error(
@@ -581,7 +595,7 @@ class JobActivities:
             extra={"job_id": request.job_id, "cluster_id": request.cluster_id},
         )
         self.audit.record(
-            "job_parked",
+            AuditEvent.JOB_PARKED,
             job_id=request.job_id,
             cluster_id=request.cluster_id,
             success=False,
@@ -591,7 +605,7 @@ class JobActivities:
 
     # ---- watching -----------------------------------------------------------------------------------------------
 
-    @activity.defn(name="watch_job")
+    @activity.defn(name=WATCH_JOB)
     async def watch_job(self, request: WatchInput) -> WatchOutput:
         """Follow one job until its state changes or ``return_by``; heartbeats every poll (invariant 3).
 
@@ -681,13 +695,13 @@ class JobActivities:
 
     # ---- cancellation -------------------------------------------------------------------------------------------
 
-    @activity.defn(name="cancel_job")
+    @activity.defn(name=CANCEL_JOB)
     async def cancel_job(self, request: CancelInput) -> None:
         try:
             await heartbeating(self.adapter(request.cluster_id).cancel(request.scheduler_job_id))
         except HPCError as exc:
             self.audit.record(
-                "job_cancellation_failed",
+                AuditEvent.JOB_CANCELLATION_FAILED,
                 job_id=request.job_id,
                 cluster_id=request.cluster_id,
                 success=False,
@@ -695,7 +709,7 @@ class JobActivities:
             )
             raise to_application_error(exc) from None
         self.audit.record(
-            "job_cancelled",
+            AuditEvent.JOB_CANCELLED,
             job_id=request.job_id,
             cluster_id=request.cluster_id,
             details={"scheduler_job_id": request.scheduler_job_id, "reason": request.reason},
@@ -703,7 +717,7 @@ class JobActivities:
 
     # ---- lifecycle reports --------------------------------------------------------------------------------------
 
-    @activity.defn(name="report_transition")
+    @activity.defn(name=REPORT_TRANSITION)
     async def report_transition(self, request: TransitionInput) -> None:
         """Lifecycle callback: audit ``job_lifecycle_event`` and report the new state to the chain."""
         first = activity.info().attempt == 1 and not request.lifecycle_audited
@@ -720,11 +734,14 @@ class JobActivities:
         }
         if lifecycle_audit:
             self.audit.record(
-                "job_lifecycle_event", job_id=request.job_id, cluster_id=request.cluster_id, details=details
+                AuditEvent.JOB_LIFECYCLE_EVENT,
+                job_id=request.job_id,
+                cluster_id=request.cluster_id,
+                details=details,
             )
             if _cancelled_unsubmitted(request):
                 self.audit.record(
-                    "job_cancelled",
+                    AuditEvent.JOB_CANCELLED,
                     job_id=request.job_id,
                     cluster_id=request.cluster_id,
                     details={"scheduler_job_id": None, "reason": request.message},
@@ -749,7 +766,7 @@ class JobActivities:
             self._report_failed(request, exc)
             raise to_application_error(exc) from None
         self.audit.record(
-            "status_reported",
+            AuditEvent.STATUS_REPORTED,
             job_id=request.job_id,
             cluster_id=request.cluster_id,
             details={"state": request.new_state.value},
@@ -780,7 +797,7 @@ class JobActivities:
 
     def _report_failed(self, request: TransitionInput, exc: HPCError) -> None:
         self.audit.record(
-            "status_report_failed",
+            AuditEvent.STATUS_REPORT_FAILED,
             job_id=request.job_id,
             cluster_id=request.cluster_id,
             success=False,
@@ -800,7 +817,7 @@ class JobActivities:
 
     # ---- usage --------------------------------------------------------------------------------------------------
 
-    @activity.defn(name="report_usage")
+    @activity.defn(name=REPORT_USAGE)
     async def report_usage(self, request: UsageInput) -> UsageOutput:
         """Sign and send one usage record (and, when final, the accounting that settles the job).
 
@@ -860,13 +877,13 @@ class JobActivities:
                     attempt,
                 )
                 self.audit.record(
-                    "accounting_reported",
+                    AuditEvent.ACCOUNTING_REPORTED,
                     job_id=request.job_id,
                     cluster_id=request.cluster_id,
                     details={"final_record_id": rid, "records": request.sequence},
                 )
                 self.audit.record(
-                    "settlement_completed",
+                    AuditEvent.SETTLEMENT_COMPLETED,
                     job_id=request.job_id,
                     cluster_id=request.cluster_id,
                     details={"charged": str(settlement.charged), "refunded": str(settlement.refunded)},
@@ -878,7 +895,11 @@ class JobActivities:
         except HPCError as exc:
             final_attempt = request.max_attempts and attempt.number >= request.max_attempts
             if not exc.transient or final_attempt:
-                event = "accounting_report_failed" if request.report_accounting else "usage_report_failed"
+                event = (
+                    AuditEvent.ACCOUNTING_REPORT_FAILED
+                    if request.report_accounting
+                    else AuditEvent.USAGE_REPORT_FAILED
+                )
                 self.audit.record(
                     event,
                     job_id=request.job_id,
@@ -917,7 +938,7 @@ class JobActivities:
         elif rid not in result.accepted:
             raise ChainError(f"chain did not take usage record {rid}", transient=True)
         self.audit.record(
-            "usage_reported",
+            AuditEvent.USAGE_REPORTED,
             job_id=request.job_id,
             cluster_id=request.cluster_id,
             details={

@@ -40,6 +40,7 @@ from temporalio.service import RPCError, RPCStatusCode
 
 from activities.attempts import Attempt, AttemptProgress, heartbeating
 from activities.schedulers.base import NativeStatus, SchedulerAdapter
+from virtengine_hpc.activity_names import POLL_CLUSTER, WATCH_WITH_MONITOR
 from virtengine_hpc.errors import SchedulerError
 from virtengine_hpc.messages import (
     MONITOR_WORKFLOW_NAME,
@@ -122,7 +123,7 @@ class MonitorActivities:
         self.queries: Counter[str] = Counter()
         self.failures: Counter[str] = Counter()
 
-    @activity.defn(name="poll_cluster")
+    @activity.defn(name=POLL_CLUSTER)
     async def poll_cluster(self, request: PollInput) -> PollOutput:
         """One round: the watch set from the monitor, one scheduler query, signals to the jobs that changed."""
         monitor_id = activity.info().workflow_id or ""
@@ -295,7 +296,7 @@ class MonitorActivities:
         told.report_at = next_report_due(asked.started_at, out.period_end, every)
         return True
 
-    @activity.defn(name="watch_with_monitor")
+    @activity.defn(name=WATCH_WITH_MONITOR)
     async def watch_with_monitor(self, registration: WatchRegistration) -> None:
         """Register the job with its cluster's monitor (started if it is not running)."""
         await register(activity.client(), registration)

@@ -25,6 +25,15 @@ from activities.audit import AuditLog
 from activities.chain.node_ledger import NodeLedger
 from activities.jobs import to_application_error
 from activities.schedulers.base import SchedulerAdapter
+from virtengine_hpc.activity_names import (
+    NODE_APPLY_STATE,
+    NODE_LOAD,
+    NODE_PUBLISH_METADATA,
+    NODE_SCHEDULER_BUSY,
+    NODE_SCHEDULER_DRAIN,
+    NODE_SCHEDULER_RESUME,
+)
+from virtengine_hpc.audit_events import AuditEvent
 from virtengine_hpc.errors import HPCError
 from virtengine_hpc.node.lifecycle import (
     NodeMetadataUpdate,
@@ -106,7 +115,7 @@ class NodeActivities:
             self.node_busy,
         ]
 
-    @activity.defn(name="node_load")
+    @activity.defn(name=NODE_LOAD)
     async def load_node(self, ref: NodeRef) -> NodeRecord:
         allowed = await asyncio.to_thread(self.ledger.allowed, ref.cluster_id, ref.node_id)
         row = await asyncio.to_thread(self.ledger.get, ref.cluster_id, ref.node_id)
@@ -117,7 +126,7 @@ class NodeActivities:
             state=row.state if row else None,
         )
 
-    @activity.defn(name="node_apply_state")
+    @activity.defn(name=NODE_APPLY_STATE)
     async def apply_state(self, change: NodeStateChange) -> None:
         """Record a transition on the ledger, then audit it once (audited again on retry if lost)."""
         try:
@@ -134,14 +143,14 @@ class NodeActivities:
             "reason": change.reason,
             "update_id": change.update_id,
         }
-        self.audit.record("node_state_changed", cluster_id=change.cluster_id, details=details)
+        self.audit.record(AuditEvent.NODE_STATE_CHANGED, cluster_id=change.cluster_id, details=details)
         if change.state is NodeState.DRAINED:
-            self.audit.record("node_drained", cluster_id=change.cluster_id, details=details)
+            self.audit.record(AuditEvent.NODE_DRAINED, cluster_id=change.cluster_id, details=details)
         elif change.previous.operator_held and not change.state.operator_held and not change.state.final:
-            self.audit.record("node_resumed", cluster_id=change.cluster_id, details=details)
+            self.audit.record(AuditEvent.NODE_RESUMED, cluster_id=change.cluster_id, details=details)
         await asyncio.to_thread(self.ledger.mark_audited, change.update_id)
 
-    @activity.defn(name="node_publish_metadata")
+    @activity.defn(name=NODE_PUBLISH_METADATA)
     async def publish_metadata(self, update: NodeMetadataUpdate) -> None:
         await self.batcher.submit(update)
 
@@ -172,18 +181,18 @@ class NodeActivities:
             return SchedulerNodeResult(supported=True, busy=outcome)
         return SchedulerNodeResult(supported=True, message=f"{what} of {request.scheduler_node} done")
 
-    @activity.defn(name="node_scheduler_drain")
+    @activity.defn(name=NODE_SCHEDULER_DRAIN)
     async def drain_in_scheduler(self, request: SchedulerNodeRequest) -> SchedulerNodeResult:
         """Stop the scheduler from starting jobs on the node (SLURM: ``scontrol update state=DRAIN``)."""
         return await self._scheduler_call(
             request, "drain", lambda a: a.drain_node(request.scheduler_node, request.reason)
         )
 
-    @activity.defn(name="node_scheduler_resume")
+    @activity.defn(name=NODE_SCHEDULER_RESUME)
     async def resume_in_scheduler(self, request: SchedulerNodeRequest) -> SchedulerNodeResult:
         return await self._scheduler_call(request, "resume", lambda a: a.resume_node(request.scheduler_node))
 
-    @activity.defn(name="node_scheduler_busy")
+    @activity.defn(name=NODE_SCHEDULER_BUSY)
     async def node_busy(self, request: SchedulerNodeRequest) -> SchedulerNodeResult:
         """Whether jobs still run on a draining node (an adapter that cannot tell counts it as drained)."""
         return await self._scheduler_call(request, "check", lambda a: a.node_busy(request.scheduler_node))

@@ -28,6 +28,7 @@ from datetime import UTC, datetime
 
 from activities.audit import AuditLog
 from activities.chain.client import ChainClient
+from virtengine_hpc.audit_events import AuditEvent
 from virtengine_hpc.config import RoutingConfig
 from virtengine_hpc.errors import HPCError
 from virtengine_hpc.messages import Violation
@@ -123,7 +124,7 @@ class RoutingEnforcer:
         if decision is None:
             blocks = mode == "strict" and self.config.require_decision_for_submission
             self._violate(job, result, "missing_decision", "no scheduling decision on chain", None)
-            self.audit.record("routing_decision_missing", job_id=job.job_id, success=not blocks)
+            self.audit.record(AuditEvent.ROUTING_DECISION_MISSING, job_id=job.job_id, success=not blocks)
             if blocks:
                 raise _Rejected("no scheduling decision for the job (strict mode)")
             if mode == "permissive":
@@ -147,7 +148,7 @@ class RoutingEnforcer:
         if refreshed is not None:
             return refreshed
         self.audit.record(
-            "routing_stale_decision_allowed",
+            AuditEvent.ROUTING_STALE_DECISION_ALLOWED,
             job_id=job.job_id,
             cluster_id=decision.selected_cluster_id,
             details={
@@ -168,7 +169,7 @@ class RoutingEnforcer:
             if exc.transient:
                 raise
             self.audit.record(
-                "routing_decision_refreshed",
+                AuditEvent.ROUTING_DECISION_REFRESHED,
                 job_id=job.job_id,
                 success=False,
                 error_msg=str(exc)[:300],
@@ -176,7 +177,7 @@ class RoutingEnforcer:
             )
             return None
         self.audit.record(
-            "routing_decision_refreshed",
+            AuditEvent.ROUTING_DECISION_REFRESHED,
             job_id=job.job_id,
             cluster_id=decision.selected_cluster_id,
             details={
@@ -284,7 +285,7 @@ class RoutingEnforcer:
         )
         result.violations.append(violation)
         self.audit.record(
-            "routing_violation",
+            AuditEvent.ROUTING_VIOLATION,
             job_id=job.job_id,
             cluster_id=decision.selected_cluster_id if decision else None,
             success=False,
@@ -302,7 +303,7 @@ class RoutingEnforcer:
     def _passed(self, job: JobSpec, result: RoutingResult) -> None:
         decision = result.decision
         self.audit.record(
-            "routing_enforcement_passed",
+            AuditEvent.ROUTING_ENFORCEMENT_PASSED,
             job_id=job.job_id,
             cluster_id=result.cluster_id,
             details={
@@ -315,7 +316,7 @@ class RoutingEnforcer:
         )
         if result.is_fallback:
             self.audit.record(
-                "routing_fallback_used",
+                AuditEvent.ROUTING_FALLBACK_USED,
                 job_id=job.job_id,
                 cluster_id=result.cluster_id,
                 details={
@@ -330,10 +331,18 @@ class RoutingEnforcer:
         result.message = message
         details = {"mode": self.config.enforcement_mode, "violations": [v.type for v in result.violations]}
         self.audit.record(
-            "routing_enforcement_failed", job_id=job.job_id, success=False, error_msg=message, details=details
+            AuditEvent.ROUTING_ENFORCEMENT_FAILED,
+            job_id=job.job_id,
+            success=False,
+            error_msg=message,
+            details=details,
         )
         self.audit.record(
-            "job_routing_rejected", job_id=job.job_id, success=False, error_msg=message, details=details
+            AuditEvent.JOB_ROUTING_REJECTED,
+            job_id=job.job_id,
+            success=False,
+            error_msg=message,
+            details=details,
         )
         return result
 

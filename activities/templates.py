@@ -23,6 +23,7 @@ from activities.audit import AuditLog
 from activities.chain.client import ChainClient
 from activities.jobs import ResolvedBody
 from activities.schedulers.base import SchedulerAdapter
+from virtengine_hpc.audit_events import AuditEvent
 from virtengine_hpc.errors import ValidationError
 from virtengine_hpc.models import JobSpec
 from virtengine_hpc.pricing import check_job_against_queue
@@ -108,7 +109,7 @@ class TemplateResolver:
             message = f"template {template_id} {record.version} refused: {problem}"
             if self.audit is not None:
                 self.audit.record(
-                    "template_rejected",
+                    AuditEvent.TEMPLATE_REJECTED,
                     job_id=job.job_id,
                     cluster_id=job.cluster_id,
                     success=False,

@@ -28,10 +28,8 @@ cleanup() {
 }
 trap cleanup EXIT
 
-log "lint and types"
-.venv/bin/ruff check . || exit 1
-.venv/bin/ruff format --check . || exit 1
-.venv/bin/mypy virtengine_hpc workflows activities workers || exit 1
+log "lint, types and the layer contract"
+make --no-print-directory lint || exit 1
 
 log "pytest"
 # --durations: the 30 slowest tests close the report, to keep the suite's time in view (it should stay under 45 min)

@@ -26,6 +26,7 @@ import yaml
 
 from activities.audit import read_events, verify_log
 from activities.chain.local_ledger import LocalLedger
+from virtengine_hpc.audit_events import AuditEvent
 from virtengine_hpc.config import Config, default_build_id, load_config
 from virtengine_hpc.models import Cluster, Partition, PricedQueue, Pricing
 from virtengine_hpc.signing import Signer, public_key_b64, write_private_key
@@ -293,7 +294,7 @@ def _summary(config: Config, ledger: LocalLedger, signer: Signer, ids: dict[str,
     counts = Counter(e["event_type"] for e in read_events(log_path))
     print(f"\n=== audit log {log_path}")
     print("  " + ", ".join(f"{name} x{n}" for name, n in sorted(counts.items())))
-    violations = [e for e in read_events(log_path) if e["event_type"] == "routing_violation"]
+    violations = [e for e in read_events(log_path) if e["event_type"] == AuditEvent.ROUTING_VIOLATION]
     for v in violations:
         print(
             f"  routing_violation {v['details']['violation_type']} (severity {v['severity']}) on {v['job_id']}"

@@ -117,3 +117,47 @@ class RoutingRejected(HPCError):
     """The routing enforcer refused the job (strict mode, or a violation no mode tolerates)."""
 
     code = "routing_rejected"
+
+
+class TenantAccountError(HPCError):
+    """A tenant's job cannot run: it has no cluster account, or the one it would get is privileged.
+
+    Never transient: trying again the same way cannot help, the operator must change ``hpc.tenants``.
+    """
+
+    transient = False
+    code = "tenant_account_missing"
+
+
+# ---- what a workflow does not retry -------------------------------------------------------------------------------
+# A Temporal retry policy names the errors it does not retry by their type, the class name the activity boundary
+# gives an ``ApplicationError``. Each tuple keeps its order: the names travel in the commands a workflow issues.
+
+NON_RETRYABLE: tuple[type[HPCError], ...] = (
+    ValidationError,
+    ConfigError,
+    SubmissionRejected,
+    SecurityError,
+    IllegalTransition,
+    TenantAccountError,
+)
+"""What the job workflow's steps never retry: the job, the config or a check is wrong, or the scheduler or the
+chain refused it for good; trying again the same way cannot help."""
+NON_RETRYABLE_TYPES: tuple[str, ...] = tuple(error.__name__ for error in NON_RETRYABLE)
+
+NODE_LEDGER_NON_RETRYABLE: tuple[type[HPCError], ...] = (ValidationError,)
+"""What a node workflow's ledger steps never retry."""
+NODE_LEDGER_NON_RETRYABLE_TYPES: tuple[str, ...] = tuple(
+    error.__name__ for error in NODE_LEDGER_NON_RETRYABLE
+)
+
+NODE_SCHEDULER_NON_RETRYABLE: tuple[type[HPCError], ...] = (
+    ValidationError,
+    SubmissionRejected,
+    JobNotFound,
+    ConfigError,
+)
+"""What a node workflow's scheduler steps (drain, resume, busy) never retry."""
+NODE_SCHEDULER_NON_RETRYABLE_TYPES: tuple[str, ...] = tuple(
+    error.__name__ for error in NODE_SCHEDULER_NON_RETRYABLE
+)

@@ -12,8 +12,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field, model_validator
 
-from activities.schedulers.base import NativeStatus
+from virtengine_hpc import activity_names
 from virtengine_hpc.models import Address, Identifier, JobSpec, Model, Name, Resources, UsageMetrics
+from virtengine_hpc.scheduling import NativeStatus
 from virtengine_hpc.states import JobState, LifecycleEvent
 
 JOB_WORKFLOW_NAME = "HPCJobWorkflow"
@@ -29,17 +30,17 @@ PARKED = "parked"
 PAYLOAD_BUDGET: dict[str, int] = {
     "workflow input": 8 * 1024,
     "workflow result": 2 * 1024,
-    "route_job": 4 * 1024,
-    "submit_job": 4 * 1024,
-    "find_job": 1024,
-    "watch_job": 4 * 1024,
-    "report_transition": 4 * 1024,
-    "cancel_job": 2 * 1024,
-    "report_usage": 4 * 1024,
-    "recover_job": 2 * 1024,
-    "park_job": 4 * 1024,
-    "watch_with_monitor": 2 * 1024,
-    "poll_cluster": 64 * 1024,
+    activity_names.ROUTE_JOB: 4 * 1024,
+    activity_names.SUBMIT_JOB: 4 * 1024,
+    activity_names.FIND_JOB: 1024,
+    activity_names.WATCH_JOB: 4 * 1024,
+    activity_names.REPORT_TRANSITION: 4 * 1024,
+    activity_names.CANCEL_JOB: 2 * 1024,
+    activity_names.REPORT_USAGE: 4 * 1024,
+    activity_names.RECOVER_JOB: 2 * 1024,
+    activity_names.PARK_JOB: 4 * 1024,
+    activity_names.WATCH_WITH_MONITOR: 2 * 1024,
+    activity_names.POLL_CLUSTER: 64 * 1024,
     "observe": 2 * 1024,
     "period_recorded": 2 * 1024,
 }

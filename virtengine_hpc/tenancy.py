@@ -25,22 +25,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from virtengine_hpc.config import SERVICE_ACCOUNTS, TenantsConfig
-from virtengine_hpc.errors import HPCError
+from virtengine_hpc.errors import TenantAccountError
 
 ROOT = "root"
 LOGIN_DEFS = Path("/etc/login.defs")
 DEFAULT_UID_MIN = 1000
 _UID_MIN_LINE = re.compile(r"^\s*UID_MIN\s+(\d+)\s*$", re.M)
 
-
-class TenantAccountError(HPCError):
-    """A tenant's job cannot run: it has no cluster account, or the one it would get is privileged.
-
-    Never transient: trying again the same way cannot help, the operator must change ``hpc.tenants``.
-    """
-
-    transient = False
-    code = "tenant_account_missing"
+__all__ = ["TenantAccountError"]  # defined with the other domain errors; imported from here as well
 
 
 @functools.cache

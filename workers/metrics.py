@@ -49,6 +49,7 @@ from temporalio.runtime import (
 from activities.attempts import LOST_ATTEMPTS
 from activities.audit import AuditLog
 from activities.schedulers.base import SchedulerAdapter
+from virtengine_hpc.audit_events import AuditEvent
 from virtengine_hpc.config import AuditConfig
 from virtengine_hpc.messages import JOB_WORKFLOW_NAME
 from virtengine_hpc.states import JobState
@@ -321,28 +322,30 @@ def _unowned_found(m: WorkerMetrics, cluster: str, success: bool, d: Mapping[str
 
 
 _AUDIT_HANDLERS: dict[str, Callable[[WorkerMetrics, str, bool, Mapping[str, Any]], None]] = {
-    "job_lifecycle_event": _transition,
-    "job_submitted": _submitted,
-    "job_submission_failed": lambda m, c, s, d: m.submissions.labels(c, "rejected").inc(),
-    "job_max_retries_exceeded": lambda m, c, s, d: m.submissions.labels(c, "retries_exhausted").inc(),
-    "duplicate_job_cancelled": _duplicate_cancelled,
-    "unowned_job_cancelled": lambda m, c, s, d: m.swept.labels(
+    AuditEvent.JOB_LIFECYCLE_EVENT: _transition,
+    AuditEvent.JOB_SUBMITTED: _submitted,
+    AuditEvent.JOB_SUBMISSION_FAILED: lambda m, c, s, d: m.submissions.labels(c, "rejected").inc(),
+    AuditEvent.JOB_MAX_RETRIES_EXCEEDED: lambda m, c, s, d: m.submissions.labels(
+        c, "retries_exhausted"
+    ).inc(),
+    AuditEvent.DUPLICATE_JOB_CANCELLED: _duplicate_cancelled,
+    AuditEvent.UNOWNED_JOB_CANCELLED: lambda m, c, s, d: m.swept.labels(
         c, str(d.get("kind", "unowned")), "cancelled"
     ).inc(),
-    "unowned_job_found": _unowned_found,
-    "job_validation_failed": lambda m, c, s, d: m.validation_failures.labels(c).inc(),
+    AuditEvent.UNOWNED_JOB_FOUND: _unowned_found,
+    AuditEvent.JOB_VALIDATION_FAILED: lambda m, c, s, d: m.validation_failures.labels(c).inc(),
     # A retried report the chain answers "duplicate" sent nothing new: the chain keeps the first attempt's record.
-    "usage_reported": lambda m, c, s, d: m.usage_records.labels(
+    AuditEvent.USAGE_REPORTED: lambda m, c, s, d: m.usage_records.labels(
         c, "duplicate" if d.get("duplicate") else "sent"
     ).inc(),
-    "usage_report_failed": lambda m, c, s, d: m.usage_records.labels(c, "failed").inc(),
-    "accounting_reported": lambda m, c, s, d: m.accounting.labels(c, "sent").inc(),
-    "accounting_report_failed": lambda m, c, s, d: m.accounting.labels(c, "failed").inc(),
-    "routing_enforcement_passed": lambda m, c, s, d: m.routing.labels("passed").inc(),
-    "routing_fallback_used": lambda m, c, s, d: m.routing.labels("fallback").inc(),
-    "routing_enforcement_failed": lambda m, c, s, d: m.routing.labels("rejected").inc(),
-    "routing_violation": _violation,
-    "job_reconciled": _reconciled,
+    AuditEvent.USAGE_REPORT_FAILED: lambda m, c, s, d: m.usage_records.labels(c, "failed").inc(),
+    AuditEvent.ACCOUNTING_REPORTED: lambda m, c, s, d: m.accounting.labels(c, "sent").inc(),
+    AuditEvent.ACCOUNTING_REPORT_FAILED: lambda m, c, s, d: m.accounting.labels(c, "failed").inc(),
+    AuditEvent.ROUTING_ENFORCEMENT_PASSED: lambda m, c, s, d: m.routing.labels("passed").inc(),
+    AuditEvent.ROUTING_FALLBACK_USED: lambda m, c, s, d: m.routing.labels("fallback").inc(),
+    AuditEvent.ROUTING_ENFORCEMENT_FAILED: lambda m, c, s, d: m.routing.labels("rejected").inc(),
+    AuditEvent.ROUTING_VIOLATION: _violation,
+    AuditEvent.JOB_RECONCILED: _reconciled,
 }
 
 
@@ -360,7 +363,7 @@ class MeteredAuditLog(AuditLog):
         super().__init__(config, fsync=fsync, anchor_signer=anchor_signer)
         self.metrics = metrics
 
-    def record(self, event_type: str, **kwargs: Any) -> dict[str, Any] | None:
+    def record(self, event_type: AuditEvent, **kwargs: Any) -> dict[str, Any] | None:
         try:
             self.metrics.observe_audit(
                 event_type, kwargs.get("cluster_id"), kwargs.get("success", True), kwargs.get("details") or {}

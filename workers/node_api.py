@@ -48,6 +48,7 @@ from temporalio.service import RPCError, RPCStatusCode
 
 from activities.audit import AuditLog
 from activities.chain.node_ledger import NodeLedger
+from virtengine_hpc.audit_events import AuditEvent
 from virtengine_hpc.config import Config, NodesConfig, Secrets, load_config
 from virtengine_hpc.errors import HPCError, SecurityError, ValidationError
 from virtengine_hpc.models import Identifier
@@ -253,7 +254,7 @@ class NodeAPI:
         self.accepted = 0
 
     async def _audit_rejection(
-        self, event: str, rejected: Rejected, cluster_id: str | None, node_id: str | None, remote: str
+        self, event: AuditEvent, rejected: Rejected, cluster_id: str | None, node_id: str | None, remote: str
     ) -> None:
         # Keyed by who sent it, never by the ids in the request: a forger chooses those freely.
         suppressed = self.limiter.admit((event, rejected.code, peer_key(remote)))
@@ -331,7 +332,9 @@ class NodeAPI:
             self._check_signature(data, REGISTRATION_DOMAIN, allowed.public_key)
             self._check_fresh(body.timestamp)
         except Rejected as rejected:
-            await self._audit_rejection("node_registration_rejected", rejected, cluster_id, node_id, remote)
+            await self._audit_rejection(
+                AuditEvent.NODE_REGISTRATION_REJECTED, rejected, cluster_id, node_id, remote
+            )
             return rejected.status, _error(rejected)
         row = await asyncio.to_thread(
             self.ledger.register,
@@ -354,7 +357,7 @@ class NodeAPI:
             return 503, APIError(error="unavailable", message="node lifecycle service unavailable; retry")
         await asyncio.to_thread(
             self.audit.record,
-            "node_registered",
+            AuditEvent.NODE_REGISTERED,
             cluster_id=body.cluster_id,
             details={"node_id": body.node_id, "hostname": body.hostname, "remote": remote},
         )
@@ -411,7 +414,7 @@ class NodeAPI:
                     last_sequence=outcome.last_sequence,
                 )
         except Rejected as rejected:
-            await self._audit_rejection("heartbeat_rejected", rejected, cluster_id, node_id, remote)
+            await self._audit_rejection(AuditEvent.HEARTBEAT_REJECTED, rejected, cluster_id, node_id, remote)
             return rejected.status, _error(rejected)
         beat = NodeBeat(
             sequence_number=body.sequence_number,
@@ -618,7 +621,7 @@ async def serve(config: Config, *, host: str | None = None, port: int | None = N
     mode = config.nodes.tls
     url = f"{'https' if tls else 'http'}://{host}:{port}"
     api.audit.record(
-        "service_started",
+        AuditEvent.SERVICE_STARTED,
         details={"service": "node_api", "listen": f"{host}:{port}", "url": url, "tls": mode},
     )
     if mode == "mutual":
@@ -632,7 +635,9 @@ async def serve(config: Config, *, host: str | None = None, port: int | None = N
     try:
         await server.serve()
     finally:
-        api.audit.record("service_stopped", details={"service": "node_api", "accepted": api.accepted})
+        api.audit.record(
+            AuditEvent.SERVICE_STOPPED, details={"service": "node_api", "accepted": api.accepted}
+        )
         api.ledger.close()
 
 

@@ -57,6 +57,7 @@ from temporalio.service import RPCError, RPCStatusCode
 
 from activities.audit import AuditLog
 from activities.chain.client import ChainClient, ChainJob, StatusReport
+from virtengine_hpc.audit_events import AuditEvent
 from virtengine_hpc.config import Config
 from virtengine_hpc.errors import HPCError
 from virtengine_hpc.messages import (
@@ -219,7 +220,7 @@ class ChainPoller:
         await self._take_pending(stats, limit - stats.running)
         if stats.waiting:
             self.audit.record(
-                "job_queue_full",
+                AuditEvent.JOB_QUEUE_FULL,
                 cluster_id=self.cluster_id,
                 success=False,
                 details={
@@ -423,7 +424,7 @@ class ChainPoller:
                     return
         message = f"invalid job: {reason}"[:1024]
         self.audit.record(
-            "job_validation_failed",
+            AuditEvent.JOB_VALIDATION_FAILED,
             job_id=chain_job.job_id,
             cluster_id=self.cluster_id,
             success=False,
@@ -642,7 +643,7 @@ class ChainPoller:
         if not started:
             return True  # another cluster's poller started it a moment ago (a job for no cluster): signalled
         self.audit.record(
-            "job_cancelled",
+            AuditEvent.JOB_CANCELLED,
             job_id=job_id,
             cluster_id=self.cluster_id,
             details={"reason": "cancelled before it started"},

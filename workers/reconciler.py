@@ -41,6 +41,7 @@ from temporalio.service import RPCError, RPCStatusCode
 
 from activities.audit import AuditLog
 from activities.chain.client import ChainClient, ChainJob
+from virtengine_hpc.audit_events import AuditEvent
 from virtengine_hpc.config import Config
 from virtengine_hpc.errors import HPCError
 from virtengine_hpc.messages import JOB_WORKFLOW_NAME, PARKED, JobRef, JobSettings, JobWorkflowInput, Recovery
@@ -324,7 +325,7 @@ class Reconciler:
             extra={"job_id": job.job_id, "workflow_id": job.job_id, "cluster_id": self.cluster_id},
         )
         self.audit.record(
-            "job_reconciled",
+            AuditEvent.JOB_RECONCILED,
             job_id=job.job_id,
             cluster_id=self.cluster_id,
             details=_details(recovery, attempts + 1),
@@ -344,7 +345,7 @@ class Reconciler:
             extra={"job_id": job.job_id, "cluster_id": self.cluster_id},
         )
         self.audit.record(
-            "job_reconciled",
+            AuditEvent.JOB_RECONCILED,
             job_id=job.job_id,
             cluster_id=self.cluster_id,
             success=False,

@@ -65,6 +65,7 @@ from temporalio.service import RPCError, RPCStatusCode
 from activities.audit import AuditLog, events_since
 from activities.chain.client import ChainClient
 from activities.schedulers.base import ListedJob, SchedulerAdapter
+from virtengine_hpc.audit_events import AuditEvent
 from virtengine_hpc.config import Config
 from virtengine_hpc.errors import HPCError
 from virtengine_hpc.files import PRIVATE_MODE
@@ -78,7 +79,7 @@ log = logging.getLogger(__name__)
 PAGE_SIZE = 200
 """Workflow ids looked up in one visibility query."""
 _SAFE_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
-SWEEP_EVENTS = ("unowned_job_found", "unowned_job_cancelled")
+SWEEP_EVENTS = (AuditEvent.UNOWNED_JOB_FOUND, AuditEvent.UNOWNED_JOB_CANCELLED)
 """The audit events of the sweep's findings on a tenant's account's job, which a poller's first round reads back."""
 ENDED_MARGIN = 120
 """Seconds the accounting read of ended jobs reaches back before the previous round began: slurmdbd records a
@@ -328,7 +329,7 @@ class JobSweep:
     def _audit_ran(self, job: ListedJob) -> None:
         allocated = job.allocated.model_dump(exclude_none=True) if job.allocated is not None else None
         self.audit.record(
-            "unowned_job_found",
+            AuditEvent.UNOWNED_JOB_FOUND,
             job_id=None,
             cluster_id=self.cluster_id,
             details={
@@ -539,9 +540,9 @@ class JobSweep:
         self, job: ListedJob, workflow_id: str | None, *, kind: str, kept: str | None, why: str
     ) -> None:
         event = (
-            ("unowned_job_cancelled" if kind != "duplicate" else "duplicate_job_cancelled")
+            (AuditEvent.UNOWNED_JOB_CANCELLED if kind != "duplicate" else AuditEvent.DUPLICATE_JOB_CANCELLED)
             if self.cancel
-            else "unowned_job_found"
+            else AuditEvent.UNOWNED_JOB_FOUND
         )
         details: dict[str, object] = {
             "scheduler_job_id": job.scheduler_job_id,

@@ -28,6 +28,7 @@ from activities.audit import AuditLog
 from activities.chain.client import ChainClient
 from activities.jobs import JobActivities
 from activities.schedulers.base import SchedulerAdapter
+from virtengine_hpc.audit_events import AuditEvent
 from virtengine_hpc.config import Config, Secrets
 from virtengine_hpc.errors import HPCError
 from virtengine_hpc.logging import setup_logging
@@ -213,7 +214,7 @@ class WorkerProcess:
             await self.health.start()
         for cluster_id in deps.cluster_ids:
             deps.audit.record(
-                "service_started",
+                AuditEvent.SERVICE_STARTED,
                 cluster_id=cluster_id,
                 details={
                     "service": "worker",
@@ -311,7 +312,7 @@ class WorkerProcess:
             await self.deps.close()
             for cluster_id in self.deps.cluster_ids:
                 self.deps.audit.record(
-                    "service_stopped", cluster_id=cluster_id, details={"service": "worker"}
+                    AuditEvent.SERVICE_STOPPED, cluster_id=cluster_id, details={"service": "worker"}
                 )
         log.info("stopped")
 

@@ -16,6 +16,7 @@ from temporalio import workflow
 from temporalio.common import RetryPolicy
 
 with workflow.unsafe.imports_passed_through():
+    from virtengine_hpc.activity_names import POLL_CLUSTER
     from virtengine_hpc.messages import (
         MONITOR_WORKFLOW_NAME,
         MonitorInput,
@@ -70,7 +71,7 @@ class ClusterMonitorWorkflow:
                 await workflow.wait_condition(workflow.all_handlers_finished)
                 return rounds
             out: PollOutput = await workflow.execute_activity(
-                "poll_cluster",
+                POLL_CLUSTER,
                 PollInput(
                     cluster_id=settings.cluster_id, vanished_grace_seconds=settings.vanished_grace_seconds
                 ),

@@ -25,7 +25,19 @@ from temporalio.exceptions import ActivityError, ApplicationError, CancelledErro
 from temporalio.workflow import ActivityCancellationType
 
 with workflow.unsafe.imports_passed_through():
-    from activities.schedulers.base import NativeStatus
+    from virtengine_hpc.activity_names import (
+        CANCEL_JOB,
+        FIND_JOB,
+        PARK_JOB,
+        RECOVER_JOB,
+        REPORT_TRANSITION,
+        REPORT_USAGE,
+        ROUTE_JOB,
+        SUBMIT_JOB,
+        WATCH_JOB,
+        WATCH_WITH_MONITOR,
+    )
+    from virtengine_hpc.errors import NON_RETRYABLE_TYPES
     from virtengine_hpc.messages import (
         JOB_WORKFLOW_NAME,
         PARKED,
@@ -59,6 +71,7 @@ with workflow.unsafe.imports_passed_through():
         WatchOutput,
         WatchRegistration,
     )
+    from virtengine_hpc.scheduling import NativeStatus
     from virtengine_hpc.states import JobState, LifecycleEvent, lifecycle_event, transition_path
     from virtengine_hpc.usage import next_report_due
 
@@ -141,14 +154,7 @@ _MIN_TIMER = timedelta(milliseconds=100)
 _DONE = object()
 """What ``_guarded`` returns for a step that ran to its end."""
 _ACCEPTED = "accepted by the scheduler"
-_NON_RETRYABLE = [
-    "ValidationError",
-    "ConfigError",
-    "SubmissionRejected",
-    "SecurityError",
-    "IllegalTransition",
-    "TenantAccountError",
-]
+_NON_RETRYABLE = list(NON_RETRYABLE_TYPES)
 _REFUSED_BEFORE_TENANT_PATCH = frozenset(_NON_RETRYABLE) - {"TenantAccountError"}
 
 
@@ -422,7 +428,7 @@ class HPCJobWorkflow:
         if self.c.cluster_id != self.inp.cluster_id:
             self._follow_cluster()
         found: RecoverOutput = await workflow.execute_activity(
-            "recover_job",
+            RECOVER_JOB,
             RecoverInput(
                 job_id=self.job.job_id,
                 workflow_id=workflow.info().workflow_id,
@@ -499,7 +505,7 @@ class HPCJobWorkflow:
     async def _alert_parked(self, why: str) -> None:
         try:
             await workflow.execute_activity(
-                "park_job",
+                PARK_JOB,
                 ParkInput(
                     job_id=self.job.job_id,
                     cluster_id=self.c.cluster_id,
@@ -547,11 +553,11 @@ class HPCJobWorkflow:
         outcome: RouteOutcome
         if self.local:
             outcome = await self._chain_step(
-                "route_job", request, timeout=timedelta(seconds=60), result_type=RouteOutcome
+                ROUTE_JOB, request, timeout=timedelta(seconds=60), result_type=RouteOutcome
             )
         else:
             outcome = await workflow.execute_activity(
-                "route_job",
+                ROUTE_JOB,
                 request,
                 start_to_close_timeout=timedelta(seconds=60),
                 retry_policy=self._retry(unlimited=True),
@@ -573,7 +579,7 @@ class HPCJobWorkflow:
         looked_up = False
         try:
             submitted: SubmitOutput = await workflow.execute_activity(
-                "submit_job",
+                SUBMIT_JOB,
                 SubmitInput(
                     workflow_id=workflow.info().workflow_id,
                     job=self.job,
@@ -693,7 +699,7 @@ class HPCJobWorkflow:
 
     async def _find_submitted(self) -> str | None:
         found: FindOutput = await workflow.execute_activity(
-            "find_job",
+            FIND_JOB,
             FindInput(
                 workflow_id=workflow.info().workflow_id, job_id=self.job.job_id, cluster_id=self.c.cluster_id
             ),
@@ -756,7 +762,7 @@ class HPCJobWorkflow:
         )
         poll = self.settings.poll_interval_seconds
         handle = workflow.start_activity(
-            "watch_job",
+            WATCH_JOB,
             request,
             task_queue=self.c.task_queue,
             start_to_close_timeout=(return_by - now) + timedelta(seconds=4 * poll + 120),
@@ -870,7 +876,7 @@ class HPCJobWorkflow:
         registration = self._registration(self.c.state, None)
         assert registration is not None
         await workflow.execute_activity(
-            "watch_with_monitor",
+            WATCH_WITH_MONITOR,
             registration,
             start_to_close_timeout=timedelta(seconds=60),
             retry_policy=self._retry(unlimited=True),
@@ -1081,11 +1087,11 @@ class HPCJobWorkflow:
             # Its local attempts audited the lifecycle event: an activity that takes over does not audit it again.
             again = request.model_copy(update={"lifecycle_audited": True})
             await self._chain_step(
-                "report_transition", request, timeout=timedelta(seconds=60), as_activity=again
+                REPORT_TRANSITION, request, timeout=timedelta(seconds=60), as_activity=again
             )
         else:
             await workflow.execute_activity(
-                "report_transition",
+                REPORT_TRANSITION,
                 request,
                 start_to_close_timeout=timedelta(seconds=60),
                 retry_policy=self._retry(unlimited=True),
@@ -1226,7 +1232,7 @@ class HPCJobWorkflow:
             if final and self.local and self.c.task_queue is None:
                 # The scheduler's final accounting, the record and the settlement, on this very worker.
                 out = await self._chain_step(
-                    "report_usage",
+                    REPORT_USAGE,
                     request,
                     timeout=timedelta(seconds=300),
                     result_type=UsageOutput,
@@ -1236,7 +1242,7 @@ class HPCJobWorkflow:
                 # A period record is a reading and a chain call on this very worker: a local activity costs one
                 # history event instead of three and a round trip through the server.
                 out = await workflow.execute_local_activity(
-                    "report_usage",
+                    REPORT_USAGE,
                     request,
                     start_to_close_timeout=timedelta(seconds=300),
                     retry_policy=self._retry(unlimited=unlimited),
@@ -1246,7 +1252,7 @@ class HPCJobWorkflow:
                     self._answered = (workflow.now(), out.answered_at)
             else:
                 out = await workflow.execute_activity(
-                    "report_usage",
+                    REPORT_USAGE,
                     request,
                     task_queue=self.c.task_queue,
                     start_to_close_timeout=timedelta(seconds=300),
@@ -1326,7 +1332,7 @@ class HPCJobWorkflow:
         assert self.c.scheduler_job_id is not None
         try:
             await workflow.execute_activity(
-                "cancel_job",
+                CANCEL_JOB,
                 CancelInput(
                     job_id=self.job.job_id,
                     cluster_id=self.c.cluster_id,

@@ -26,6 +26,15 @@ from temporalio.common import RetryPolicy
 from temporalio.exceptions import ActivityError
 
 with workflow.unsafe.imports_passed_through():
+    from virtengine_hpc.activity_names import (
+        NODE_APPLY_STATE,
+        NODE_LOAD,
+        NODE_PUBLISH_METADATA,
+        NODE_SCHEDULER_BUSY,
+        NODE_SCHEDULER_DRAIN,
+        NODE_SCHEDULER_RESUME,
+    )
+    from virtengine_hpc.errors import NODE_LEDGER_NON_RETRYABLE_TYPES, NODE_SCHEDULER_NON_RETRYABLE_TYPES
     from virtengine_hpc.node.lifecycle import (
         NODE_WORKFLOW_NAME,
         NodeBeat,
@@ -51,14 +60,14 @@ _LEDGER_RETRY = RetryPolicy(
     initial_interval=timedelta(seconds=1),
     backoff_coefficient=2.0,
     maximum_interval=timedelta(seconds=60),
-    non_retryable_error_types=["ValidationError"],
+    non_retryable_error_types=list(NODE_LEDGER_NON_RETRYABLE_TYPES),
 )
 _SCHEDULER_RETRY = RetryPolicy(
     initial_interval=timedelta(seconds=1),
     backoff_coefficient=2.0,
     maximum_interval=timedelta(seconds=30),
     maximum_attempts=5,
-    non_retryable_error_types=["ValidationError", "SubmissionRejected", "JobNotFound", "ConfigError"],
+    non_retryable_error_types=list(NODE_SCHEDULER_NON_RETRYABLE_TYPES),
 )
 _MIN_TIMER = timedelta(milliseconds=100)
 PATCH_UPGRADE_ON_CONTINUE_AS_NEW = "upgrade-on-continue-as-new"
@@ -166,7 +175,7 @@ class NodeWorkflow:
     async def _begin(self) -> None:
         now = workflow.now()
         record = await self._ledger(
-            "node_load", NodeRef(cluster_id=self.inp.cluster_id, node_id=self.inp.node_id), NodeRecord
+            NODE_LOAD, NodeRef(cluster_id=self.inp.cluster_id, node_id=self.inp.node_id), NodeRecord
         )
         self.c = self.c.model_copy(
             update={
@@ -278,7 +287,7 @@ class NodeWorkflow:
         due = self.c.next_drain_check_at
         if self.c.state is not NodeState.DRAINING or due is None or workflow.now() < due:
             return
-        result = await self._scheduler("node_scheduler_busy", "")
+        result = await self._scheduler(NODE_SCHEDULER_BUSY, "")
         if result.supported and result.busy:
             self.c = self.c.model_copy(
                 update={"next_drain_check_at": workflow.now() + self.s.drain_poll_interval}
@@ -336,7 +345,7 @@ class NodeWorkflow:
             at=now,
             beat=self.c.last_beat,
         )
-        await self._ledger("node_apply_state", change, type(None))
+        await self._ledger(NODE_APPLY_STATE, change, type(None))
         update: dict[str, Any] = {"state": target, "state_changed_at": now, "update_seq": number}
         if self.c.last_beat is not None:
             update.update(metadata_published_at=now, metadata_dirty=False)
@@ -351,7 +360,7 @@ class NodeWorkflow:
             return
         number = c.update_seq + 1
         await self._ledger(
-            "node_publish_metadata",
+            NODE_PUBLISH_METADATA,
             NodeMetadataUpdate(
                 update_id=f"{c.lifecycle_id}/{number}",
                 cluster_id=self.inp.cluster_id,
@@ -405,11 +414,11 @@ class NodeWorkflow:
     async def _ensure_scheduler_drained(self, reason: str) -> None:
         if self.c.scheduler_drained:
             return
-        result = await self._scheduler("node_scheduler_drain", reason)
+        result = await self._scheduler(NODE_SCHEDULER_DRAIN, reason)
         if result.supported:
             self.c = self.c.model_copy(update={"scheduler_drained": True})
 
     async def _scheduler_resume(self) -> None:
-        result = await self._scheduler("node_scheduler_resume", "")
+        result = await self._scheduler(NODE_SCHEDULER_RESUME, "")
         if result.supported:
             self.c = self.c.model_copy(update={"scheduler_drained": False})

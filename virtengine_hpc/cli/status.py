@@ -26,6 +26,7 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any, TextIO
 
+from virtengine_hpc.audit_events import AuditEvent
 from virtengine_hpc.cli.common import config_from_args
 from virtengine_hpc.config import Config
 from virtengine_hpc.errors import HPCError
@@ -36,14 +37,14 @@ ACTIVE = [*(s.value for s in JobState if not s.final), PARKED]
 FINAL = [s.value for s in JobState if s.final]
 NODE_STATES = ["pending", "active", "stale", "offline", "draining", "drained", "deregistered"]
 VIOLATIONS = {
-    "routing_violation",
-    "job_routing_rejected",
-    "job_validation_failed",
-    "heartbeat_rejected",
-    "node_registration_rejected",
-    "security_violation",
-    "signature_invalid",
-    "template_rejected",
+    AuditEvent.ROUTING_VIOLATION,
+    AuditEvent.JOB_ROUTING_REJECTED,
+    AuditEvent.JOB_VALIDATION_FAILED,
+    AuditEvent.HEARTBEAT_REJECTED,
+    AuditEvent.NODE_REGISTRATION_REJECTED,
+    AuditEvent.SECURITY_VIOLATION,
+    AuditEvent.SIGNATURE_INVALID,
+    AuditEvent.TEMPLATE_REJECTED,
 }
 AUDIT_TAIL_BYTES = 512 * 1024
 CLEAR = "\x1b[H\x1b[2J"

@@ -28,6 +28,7 @@ from typing import Any
 from activities.audit import AuditLog
 from activities.schedulers.base import SchedulerAdapter, files_left_message
 from activities.tenant_accounts import TenantAccounts
+from virtengine_hpc.audit_events import AuditEvent
 from virtengine_hpc.cli.common import config_from_args, print_json
 from virtengine_hpc.config import Config, Secrets
 from virtengine_hpc.errors import ConfigError, SchedulerError
@@ -94,7 +95,7 @@ def cmd_release(args: argparse.Namespace) -> int:
     refusal, details["files_removed"] = asyncio.run(_refusal(config, args, held))
     if refusal is not None:
         audit.record(
-            "tenant_account_release_refused",
+            AuditEvent.TENANT_ACCOUNT_RELEASE_REFUSED,
             cluster_id=config.hpc.cluster_id,
             success=False,
             severity=3,
@@ -104,7 +105,7 @@ def cmd_release(args: argparse.Namespace) -> int:
         raise ConfigError(refusal)
     account = accounts.store.release(args.tenant)
     details["files_kept"] = args.keep_files
-    audit.record("tenant_account_released", cluster_id=config.hpc.cluster_id, details=details)
+    audit.record(AuditEvent.TENANT_ACCOUNT_RELEASED, cluster_id=config.hpc.cluster_id, details=details)
     print(f"released {account} from tenant {args.tenant}")
     return 0
 
