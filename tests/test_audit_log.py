@@ -26,6 +26,7 @@ from activities.audit import (
     verify_log,
 )
 from activities.chain.local_ledger import LocalLedger
+from virtengine_hpc.audit_events import AuditEvent
 from virtengine_hpc.cli import main as cli_main
 from virtengine_hpc.config import AuditConfig
 from virtengine_hpc.signing import Signer, public_key_b64, write_private_key
@@ -338,3 +339,42 @@ def test_docs_list_every_audit_event_under_its_category() -> None:
             for name in re.findall(r"`(\w+)`", cells[2]):
                 listed.setdefault(name, []).append(cells[0])
     assert listed == {name: [category.value] for name, category in EVENTS.items()}
+
+
+def test_a_line_written_with_an_audit_event_is_the_line_written_with_its_name(tmp_path: Path) -> None:
+    """The hash chain covers every byte of a line: recording ``AuditEvent.X`` writes exactly what recording the
+    plain name wrote before the names were defined in one place (these bytes and hashes were written then)."""
+    at = datetime(2026, 12, 2, 8, 0, tzinfo=UTC)
+
+    def write(name: str, events: tuple[AuditEvent | str, AuditEvent | str]) -> bytes:
+        log = AuditLog(AuditConfig(enabled=True, log_path=str(tmp_path / name)))
+        log.record(
+            events[0], job_id="job-1", cluster_id="c1", details={"scheduler_job_id": "42"}, timestamp=at
+        )
+        log.record(
+            events[1],
+            job_id="job-1",
+            cluster_id="c1",
+            success=False,
+            severity=4,
+            error_msg="cluster_mismatch",
+            details={"type": "cluster_mismatch"},
+            timestamp=at,
+        )
+        return (tmp_path / name).read_bytes()
+
+    written = write("enum.log", (AuditEvent.JOB_SUBMITTED, AuditEvent.ROUTING_VIOLATION))
+    assert written == write("names.log", ("job_submitted", "routing_violation"))
+    assert written == (
+        b'{"category": "job", "cluster_id": "c1", "details": {"scheduler_job_id": "42"}, "error_msg": null, '
+        b'"event_type": "job_submitted", "hash": "cae629d02a38277ddf9a6d425236cfc360925c79032d993e8b4ec4fdaa971395", '
+        b'"job_id": "job-1", "prev_hash": "0000000000000000000000000000000000000000000000000000000000000000", '
+        b'"seq": 1, "severity": null, "success": true, "timestamp": "2026-12-02T08:00:00+00:00"}\n'
+        b'{"category": "routing", "cluster_id": "c1", "details": {"type": "cluster_mismatch"}, '
+        b'"error_msg": "cluster_mismatch", "event_type": "routing_violation", '
+        b'"hash": "5e7166699379f2e2023242b23cc50bc3b9375cca275a472dcc957f21be7328f6", "job_id": "job-1", '
+        b'"prev_hash": "cae629d02a38277ddf9a6d425236cfc360925c79032d993e8b4ec4fdaa971395", "seq": 2, '
+        b'"severity": 4, "success": false, "timestamp": "2026-12-02T08:00:00+00:00"}\n'
+    )
+    assert verify_log(tmp_path / "enum.log").ok
+    assert [type(e["event_type"]) for e in map(json.loads, written.splitlines())] == [str, str]
