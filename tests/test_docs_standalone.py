@@ -37,3 +37,22 @@ def test_no_file_cites_a_document_the_repository_does_not_have() -> None:
                 cited.append(f"{path.relative_to(REPO)}:{number}: {line.strip()[:100]}")
     assert cited == [], "files cite documents the repository does not have:\n" + "\n".join(cited)
     assert (REPO / "docs" / "architecture.md").read_text().count("## The invariants") == 1
+
+
+def test_every_python_file_the_docs_name_exists() -> None:
+    """A module that moves takes the docs with it: every ``dir/file.py`` the docs, the README and the example
+    config name is a file of the repository (a reader follows them to find where things live)."""
+    cited_in = [
+        *sorted((REPO / "docs").glob("*.md")),
+        REPO / "README.md",
+        *sorted((REPO / "deploy").glob("*.yaml")),
+    ]
+    cited = {
+        (path.relative_to(REPO).as_posix(), name)
+        for path in cited_in
+        for name in re.findall(
+            r"[A-Za-z0-9_.-]+(?:/[A-Za-z0-9_.-]+)+\.py\b", path.read_text(encoding="utf-8")
+        )
+    }
+    assert len({name for _, name in cited}) > 40, "the docs name the project's files by path"
+    assert sorted(f"{doc}: {name}" for doc, name in cited if not (REPO / name).is_file()) == []
