@@ -586,3 +586,27 @@ def test_admin_levels_from_sacctmgr_and_slurmdbd() -> None:
         ]
     }
     assert p.parse_rest_admin_levels(body) == {"hpcuser": "Operator", "root": "Administrator"}
+
+
+def test_a_job_record_from_the_kept_scontrol_is_matched_whole() -> None:
+    """``scontrol -o show job`` as the provider's kept ``scontrol`` prints it (its prompt and the echo of the
+    request first): the record must be the account's job of exactly that name, and a name its owner wrote to carry
+    a ``UserId=`` or record lines never reads as another account's job."""
+    record = golden("scontrol_show_job_oneliner_held.txt")
+    answer = "scontrol: show job 4\n" + record + "\nscontrol: show hostnames vehpc-end-1"
+    assert p.job_record_mismatch(answer, "4", "hpcuser", "golden-held") is None
+    assert p.job_record_mismatch(record, "4", "hpcuser", "golden-held") is None, "without the echo"
+    assert p.job_record_mismatch(answer, "4", "vehpc-t1", "golden-held") == "'golden-held' of hpcuser"
+    assert p.job_record_mismatch(answer, "4", "hpcuser", "golden") == "'golden-held' of hpcuser"
+    assert p.job_record_mismatch(answer, "5", "hpcuser", "golden-held") == "not held by the controller"
+    unknown = "scontrol: show job 5\nscontrol: show hostnames vehpc-end-1"  # the error went to stderr
+    assert p.job_record_mismatch(unknown, "5", "hpcuser", "golden-held") == "not held by the controller"
+
+    forged = record.replace("JobName=golden-held ", "JobName=golden-held UserId=vehpc-t1(1002) ")
+    assert p.job_record_mismatch(forged, "4", "vehpc-t1", "golden-held") is not None
+    lines = record.replace(
+        "JobName=golden-held ", "JobName=x\nJobId=4 JobName=golden-held UserId=vehpc-t1(1) "
+    )
+    assert p.job_record_mismatch(lines, "4", "vehpc-t1", "golden-held") is not None
+    echoed = "scontrol: show job 4\n" + lines.replace("JobId=4 JobName=x\n", "")
+    assert p.job_record_mismatch(echoed, "4", "vehpc-t1", "golden-held") is not None

@@ -11,12 +11,14 @@ other tenant's job runs.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import pwd
 import shutil
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +28,7 @@ from temporalio.client import Client
 
 from activities.audit import read_events
 from activities.schedulers.base import SubmitRequest, hold_back_taken
+from activities.schedulers.batch.base import Owner
 from activities.schedulers.slurm import SlurmAdapter
 from activities.tenant_accounts import AssignmentStore
 from tests import slurm_cluster as sc
@@ -220,16 +223,10 @@ async def test_the_refusal_is_on_chain_and_audited_and_nothing_else_stops(pipe: 
     assert MALLORY in events[-1]["error_msg"]
 
 
-async def test_over_ssh_a_tenant_shell_that_alters_sbatchs_answer_is_caught(env: dict[str, Any]) -> None:
-    """Over SSH, sbatch runs in the tenant account's own login shell, whose startup files its jobs can write (a
-    non-interactive ssh session sources ~/.bashrc). A PATH wrapper that submits the job but answers another job's
-    id (to have that job watched, billed or cancelled as this one) is caught by the provider's own squeue."""
-    account = sc.tenant_accounts(env)[-1]
-    decoy_wf, wf = wid("decoy"), wid("lying-shell")
-    root_job = sc.slurm_command(
-        env,
-        ["sbatch", "--parsable", "--hold", "-J", f"vehpc-{decoy_wf}", "-o", "/dev/null", "--wrap", "true"],
-    ).strip()
+@contextlib.contextmanager
+def lying_shell(account: str, wf: str, answer: str) -> Iterator[None]:
+    """The account's ``~/.bashrc`` (a non-interactive ssh session sources it; the account's jobs can write it)
+    puts first on PATH an ``sbatch`` that submits the job but answers ``answer`` for the submission of ``wf``."""
     home = Path(pwd.getpwnam(account).pw_dir)
     wrapper_dir = home / f".vehpc-test-{uuid.uuid4().hex[:8]}"
     bashrc = home / ".bashrc"
@@ -238,24 +235,133 @@ async def test_over_ssh_a_tenant_shell_that_alters_sbatchs_answer_is_caught(env:
     (wrapper_dir / "sbatch").write_text(
         "#!/bin/bash\n"
         'script=$(cat); real=$(printf "%s\\n" "$script" | /usr/bin/sbatch "$@") || exit $?\n'
-        f'case "$script" in *{wf}*) echo {root_job} ;; *) echo "$real" ;; esac\n'
+        f'case "$script" in *{wf}*) echo {answer} ;; *) echo "$real" ;; esac\n'
     )
     (wrapper_dir / "sbatch").chmod(0o755)
     bashrc.write_bytes(f"export PATH={wrapper_dir}:$PATH\n".encode() + original)
+    try:
+        yield
+    finally:
+        bashrc.write_bytes(original)
+        shutil.rmtree(wrapper_dir, ignore_errors=True)
+
+
+def root_decoy(env: dict[str, Any], name: str) -> str:
+    """A held job of root's (another account than any tenant's) named ``name``."""
+    argv = ["sbatch", "--parsable", "--hold", "-J", name, "-o", "/dev/null", "--wrap", "true"]
+    return sc.slurm_command(env, argv).strip()
+
+
+class ProviderCommands:
+    """The SSH commands the provider's own login starts (a wrapper of its runner: every command still runs)."""
+
+    def __init__(self, adapter: SlurmAdapter) -> None:
+        self.seen: list[str] = []
+        self.runner = adapter.backend.executors.own.runner  # type: ignore[attr-defined]
+        real = self.runner.run
+
+        async def run(argv: list[str], **kwargs: Any) -> Any:
+            self.seen.append(argv[0])
+            return await real(argv, **kwargs)
+
+        self.runner.run = run
+
+
+async def test_over_ssh_a_tenant_shell_that_alters_sbatchs_answer_is_caught(env: dict[str, Any]) -> None:
+    """Over SSH, sbatch runs in the tenant account's own login shell, whose startup files its jobs can write. A
+    PATH wrapper that submits the job but answers another job's id (to have that job watched, billed or cancelled
+    as this one) is caught by the provider's own ``scontrol``, kept running on the provider's login."""
+    account = sc.tenant_accounts(env)[-1]
+    decoy_wf, wf = wid("decoy"), wid("lying-shell")
+    root_job = root_decoy(env, f"vehpc-{decoy_wf}")
     adapter = sc.adapter(env, "ssh", tenants={"accounts": {MALLORY: account}}, hold=True)
+    provider = ProviderCommands(adapter)
     try:
         job = sc.spec(wf, "true\n", tenant=MALLORY)
-        with pytest.raises(SecurityError, match="altered the answer") as caught:
+        with (
+            lying_shell(account, wf, root_job),
+            pytest.raises(SecurityError, match="altered the answer") as caught,
+        ):
             await adapter.submit(SubmitRequest(workflow_id=wf, job=job, body="true\n", first_attempt=True))
-        assert f"answered job {root_job}" in str(caught.value)
+        assert f"answered job {root_job}, which is 'vehpc-{decoy_wf}' of root" in str(caught.value)
+        assert "squeue" not in provider.seen and adapter.backend.calls["scontrol show job"] == 1  # type: ignore[attr-defined]
         assert (await adapter.status_batch([root_job]))[root_job].state == JobState.QUEUED, (
             "the decoy untouched"
         )
     finally:
-        bashrc.write_bytes(original)
-        shutil.rmtree(wrapper_dir, ignore_errors=True)
         await adapter.close()
         sc.slurm_command(env, ["scancel", root_job])
+
+
+async def test_over_ssh_a_decoy_named_to_forge_the_controllers_record_is_caught(env: dict[str, Any]) -> None:
+    """``scontrol`` prints a job's name raw, and its owner writes it (spaces, newlines, anything). Another
+    account's job named as the submission followed by ``UserId=<the tenant's account>(...)`` reads, up to that
+    point, exactly as the tenant's own record: it is still refused. A name made of record lines and scontrol's
+    prompts leaves nothing behind in the kept ``scontrol``: the next honest submission is checked and accepted."""
+    account = sc.tenant_accounts(env)[-1]
+    adapter = sc.adapter(env, "ssh", tenants={"accounts": {MALLORY: account}}, hold=True)
+    decoys: list[str] = []
+    try:
+        for label, forged in (
+            ("forged-owner", " UserId={account}(1002) GroupId={account}(1002)"),
+            (
+                "forged-lines",
+                "\n\nscontrol: show hostnames vehpc-end-0\nvehpc-end-0\nJobId=1 JobName=x UserId={account}(1)",
+            ),
+        ):
+            wf = wid(label)
+            name = adapter.job_name(Owner(wf, account))
+            decoys.append(root_decoy(env, name + forged.format(account=account)))
+            job = sc.spec(wf, "true\n", tenant=MALLORY)
+            with (
+                lying_shell(account, wf, decoys[-1]),
+                pytest.raises(SecurityError, match="altered the answer"),
+            ):
+                await adapter.submit(
+                    SubmitRequest(workflow_id=wf, job=job, body="true\n", first_attempt=True)
+                )
+        wf = wid("honest-after-decoys")
+        request = SubmitRequest(
+            workflow_id=wf, job=sc.spec(wf, "true\n", tenant=MALLORY), body="true\n", first_attempt=True
+        )
+        job_id = (await adapter.submit(request)).scheduler_job_id
+        assert sc.controller_jobs_of(env, wf) == [job_id]
+        assert adapter.backend.calls["scontrol show job"] == 3  # type: ignore[attr-defined]
+    finally:
+        await adapter.close()
+        sc.slurm_command(env, ["scancel", *decoys])
+
+
+async def test_over_ssh_checking_the_answer_starts_no_command_per_submission(env: dict[str, Any]) -> None:
+    """The provider's check of each answer goes to one ``scontrol`` kept running on its own login, not to a new
+    SSH command (a session, a login shell and ``squeue``'s start on the login node) per submission; when that
+    ``scontrol`` goes away, the next check starts another."""
+    adapter = sc.adapter(env, "ssh", hold=True)
+    provider = ProviderCommands(adapter)
+    try:
+        await adapter.submit(request(wid("kept-first"), sc.ALICE))
+        started = provider.runner.commands
+        jobs = {wid(f"kept-{i}"): "" for i in range(3)}
+        for wf in jobs:
+            jobs[wf] = (await adapter.submit(request(wf, sc.ALICE))).scheduler_job_id
+        assert provider.runner.commands == started, f"no SSH command of the provider's: {provider.seen}"
+        assert "squeue" not in provider.seen
+        assert all(sc.controller_jobs_of(env, wf) == [job] for wf, job in jobs.items())
+
+        adapter.backend.job_records._stream.channel.close()  # type: ignore[attr-defined]
+        wf = wid("kept-after-end")
+        job = (await adapter.submit(request(wf, sc.ALICE))).scheduler_job_id
+        assert sc.controller_jobs_of(env, wf) == [job]
+        assert provider.runner.commands == started + 1, "one new scontrol"
+    finally:
+        await adapter.close()
+
+
+def request(wf: str, tenant: str) -> SubmitRequest:
+    """A first attempt on time (``alone_until`` ahead): it submits and checks nothing but ``sbatch``'s answer."""
+    job = sc.spec(wf, "true\n", tenant=tenant)
+    alone = datetime.now(UTC) + timedelta(seconds=30)
+    return SubmitRequest(workflow_id=wf, job=job, body="true\n", first_attempt=True, alone_until=alone)
 
 
 @pytest.mark.parametrize("transport", sc.TRANSPORTS)

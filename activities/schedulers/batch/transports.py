@@ -66,6 +66,8 @@ class SSHRunner:
         self._lock = threading.Lock()
         self._slots = asyncio.Semaphore(max_sessions)
         self.connects = 0
+        #: Remote commands started (each an SSH session on the remote host: a new process tree there).
+        self.commands = 0
 
     def command_line(self, argv: Sequence[str]) -> str:
         """The one string the remote shell parses: ``env K=V ... cmd args``, every word quoted."""
@@ -166,11 +168,26 @@ class SSHRunner:
                     raise SchedulerUnavailable(f"SSH channel to {self.host} failed: {exc}") from exc
         raise AssertionError("unreachable")
 
+    def start(self, argv: Sequence[str], timeout: float) -> paramiko.Channel:
+        """A long-lived remote command (blocking: call it from a thread): its channel, to which the caller writes
+        requests and from which it reads the answers, for a command that answers many requests in one process."""
+        line = self.command_line(argv)
+        channel = self._open(timeout)
+        try:
+            channel.settimeout(timeout)
+            channel.exec_command(line)
+        except (paramiko.SSHException, OSError, EOFError) as exc:
+            channel.close()
+            raise SchedulerUnavailable(f"SSH command {argv[0]} failed: {exc}", command=list(argv)) from exc
+        self.commands += 1
+        return channel
+
     def _run(
         self, argv: tuple[str, ...], line: str, stdin: str | None, timeout: float, session: _Session
     ) -> CommandResult:
         started = time.monotonic()
         channel = session.start(lambda: self._open(timeout))
+        self.commands += 1
         try:
             channel.settimeout(timeout)
             channel.exec_command(line)

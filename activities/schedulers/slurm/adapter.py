@@ -75,6 +75,7 @@ from activities.schedulers.slurm.script import plan_submission
 from activities.schedulers.slurm.states import Mapped, map_state
 from activities.schedulers.slurm.transports import (
     AccountRunner,
+    JobRecords,
     LocalRunner,
     RestClient,
     SSHRunner,
@@ -263,14 +264,16 @@ class SlurmAdapter(BatchSchedulerAdapter):
             assert key_dir is not None
             return CommandExecutor(runner(account, key_dir / account), TRANSIENT_PATTERNS, timeout)
 
+        own = runner(s.ssh_user, s.ssh_key_path)
         return CliBackend(
-            CommandExecutor(runner(s.ssh_user, s.ssh_key_path), TRANSIENT_PATTERNS, timeout),
+            CommandExecutor(own, TRANSIENT_PATTERNS, timeout),
             cluster=s.cluster_name,
             user=s.ssh_user,
             lookback_days=lookback_days,
             executor_as=as_tenant if tenants.isolated else None,
             lookup_users=sorted(tenants.accounts()),
             tenant_shell=tenants.isolated,
+            job_records=JobRecords(own, timeout) if tenants.isolated else None,
         )
 
     def expected_account(self, tenant: str) -> str | None:

@@ -40,7 +40,7 @@ from activities.schedulers.batch.workdir import CHANGED, CHANGED_EXIT, TenantDir
 from activities.schedulers.slurm import parsers as p
 from activities.schedulers.slurm.base import CommandExecutor, CommandResult
 from activities.schedulers.slurm.script import SubmitPlan, render_batch_script, render_rest_job
-from activities.schedulers.slurm.transports import RestClient
+from activities.schedulers.slurm.transports import JobRecords, RestClient
 from virtengine_hpc.errors import (
     HPCError,
     SchedulerError,
@@ -221,6 +221,7 @@ class CliBackend(SlurmBackend):
         tenant_shell: bool = False,
         tenant_dirs: TenantDirs | None = None,
         local_clock: bool = False,
+        job_records: JobRecords | None = None,
     ) -> None:
         """``executor_as(account)`` runs commands as a tenant's account (None: this backend cannot).
         ``tenant_dirs`` checks (and may make) each tenant's job directory: default ``stat`` through ``executor``.
@@ -228,13 +229,15 @@ class CliBackend(SlurmBackend):
         ``tenant_shell``: those commands go through the tenant account's own login shell (SSH), whose startup
         files its jobs can write. Then what ``sbatch`` answers is checked with the provider's own ``squeue``, and
         running steps are not read (``sstat`` as the provider's operator account is refused by slurmd, and as
-        the tenant's it would be the tenant's word): CPU time arrives with the final accounting.
+        the tenant's it would be the tenant's word): CPU time arrives with the final accounting. ``job_records``
+        answers that check from a ``scontrol`` kept running on the provider's login (else: one ``squeue``).
 
         ``local_clock``: the commands run on this worker's host, whose clock ``squeue`` counts a running job's
         TimeUsed to (``clock_ahead``)."""
         super().__init__()
         self.tenant_shell = tenant_shell
         self.local_clock = local_clock
+        self.job_records = job_records
         self.ex = executor
         self.cluster = cluster
         self.user = user
@@ -348,14 +351,29 @@ class CliBackend(SlurmBackend):
 
     async def _check_answer(self, job_id: str, account: str, name: str) -> None:
         """The job ``sbatch`` named through the tenant's shell is the one just submitted: the controller (asked
-        as the provider) holds it under that account and name. A brand-new job is always in ``squeue``."""
-        held = next(iter(await self._queue_named([job_id])), None)
-        if held is None or held.user != account or held.name != name:
-            seen = "not held by the controller" if held is None else f"{held.name!r} of {held.user}"
+        as the provider) holds it under that account and name. A brand-new job is always held."""
+        seen = await self._not_held_as(job_id, account, name)
+        if seen is not None:
             raise SecurityError(
                 f"sbatch as {account} answered job {job_id}, which is {seen}, not this submission ({name}): "
                 "the account's login shell altered the answer"
             )
+
+    async def _not_held_as(self, job_id: str, account: str, name: str) -> str | None:
+        """What the controller holds as ``job_id`` when it is not ``account``'s job ``name`` (``None``: it is).
+        Asked of the provider's running ``scontrol`` (no new SSH command), else with the provider's ``squeue``."""
+        if self.job_records is not None:
+            self.calls["scontrol show job"] += 1
+            try:
+                answer = await self.job_records.show_job(job_id)
+            except SchedulerUnavailable as exc:
+                log.warning("checking sbatch's answer %s with squeue: %s", job_id, exc)
+            else:
+                return p.job_record_mismatch(answer, job_id, account, name)
+        held = next(iter(await self._queue_named([job_id])), None)
+        if held is None or held.user != account or held.name != name:
+            return "not held by the controller" if held is None else f"{held.name!r} of {held.user}"
+        return None
 
     async def queue(self, job_ids: Sequence[str]) -> list[p.QueueJob]:
         # Status: no field the job's owner can write; a separator of this query's own, every line checked.
@@ -537,6 +555,8 @@ class CliBackend(SlurmBackend):
         return any(line.strip() for line in result.stdout.splitlines())
 
     async def close(self) -> None:
+        if self.job_records is not None:
+            await self.job_records.close()
         await self.executors.close()
 
 

@@ -310,6 +310,25 @@ def parse_job_id(value: str) -> str:
     return job_id
 
 
+def job_record_mismatch(answer: str, job_id: str, account: str, name: str) -> str | None:
+    """Why ``scontrol -o show job <job_id>`` (``answer``, as ``JobRecords`` read it) is not a job of ``account``
+    named ``name`` (``None``: it is). The name is printed raw and written by the job's owner, so the record must
+    begin with exactly ``JobId=<id> JobName=<name> UserId=<account>(`` and hold no other ``UserId=``: a name that
+    carries a forged ``UserId=`` fails either way."""
+    for echo in (f"scontrol: show job {job_id}\n", f"show job {job_id}\n"):
+        if answer.startswith(echo):
+            answer = answer[len(echo) :]
+            break
+    if answer.startswith(f"JobId={job_id} JobName={name} UserId={account}(") and answer.count("UserId=") == 1:
+        return None
+    if not answer.startswith(f"JobId={job_id} "):
+        return "not held by the controller"
+    found = re.match(r"JobId=\d+ JobName=(.*?) UserId=([^\s(]*)\(", answer)
+    if found is None:
+        return "a record that does not read as one job"
+    return f"{found.group(1)[:120]!r} of {found.group(2)[:40]}"
+
+
 # ---- command output ------------------------------------------------------------------------------------------
 
 
