@@ -59,6 +59,7 @@ from typing import Any
 import httpx
 
 from activities.schedulers.base import SubmitRequest
+from activities.schedulers.batch.workdir import Verified, guarded
 from activities.schedulers.batcher import StatusBatcher
 from activities.schedulers.slurm import SlurmAdapter
 from activities.schedulers.slurm.script import plan_submission, render_rest_job
@@ -180,8 +181,11 @@ def raw_sbatch_loop(
     return count / seconds, [line.split(";")[0] for line in out.stdout.split()]
 
 
-async def raw_ssh_loop(env: dict[str, Any], run: str, count: int) -> tuple[float, list[str]]:
-    """``sbatch`` over one kept SSH login of the tenant's account, with its own key."""
+async def raw_ssh_loop(
+    env: dict[str, Any], run: str, count: int, verified: Verified | None = None
+) -> tuple[float, list[str]]:
+    """``sbatch`` over one kept SSH login of the tenant's account, with its own key; with ``verified``, each
+    ``sbatch`` behind the adapter's check of the job directory in the same command (``workdir.guarded``)."""
     account = tenant_account(env)
     runner = SSHRunner(
         host=env["ssh_host"],
@@ -195,22 +199,10 @@ async def raw_ssh_loop(env: dict[str, Any], run: str, count: int) -> tuple[float
     await runner.run(["true"], timeout=60)  # connect outside the timing
     started = time.perf_counter()
     for i in range(count):
+        argv = ["sbatch", "--parsable", "--hold", "-J", f"vehpc-bench-{run}-raw-{i}", "-A", env["account"]]
+        argv += ["-D", tenant_dir(env), "-o", "/dev/null"]
         result = await runner.run(
-            [
-                "sbatch",
-                "--parsable",
-                "--hold",
-                "-J",
-                f"vehpc-bench-{run}-raw-{i}",
-                "-A",
-                env["account"],
-                "-D",
-                tenant_dir(env),
-                "-o",
-                "/dev/null",
-            ],
-            stdin="#!/bin/bash\ntrue\n",
-            timeout=60,
+            guarded(verified, argv) if verified else argv, stdin="#!/bin/bash\ntrue\n", timeout=60
         )
         ids.append(result.stdout.strip().split(";")[0])
     seconds = time.perf_counter() - started
@@ -255,6 +247,26 @@ async def adapter_sequential(
         for n in range(start, start + count)
     ]
     return count / (time.perf_counter() - started), ids
+
+
+async def ssh_dir_checked(adapter: SlurmAdapter, env: dict[str, Any]) -> Verified:
+    """The provider's own check of the tenant's job directory, as the adapter's first submission makes it."""
+    backend: Any = adapter.backend
+    path = await backend.tenant_dir(env["jobs_dir"], tenant_account(env))
+    verified = backend.executors.dirs.verified(path)
+    assert verified is not None, path
+    return verified
+
+
+async def squeue_checked(adapter: SlurmAdapter, run: str, start: int, count: int) -> tuple[float, list[str]]:
+    """The adapter over SSH checking each answer with a new ``squeue`` command of the provider's login, as it did
+    before it kept ``scontrol`` running there (same connections, same rounds)."""
+    backend: Any = adapter.backend
+    kept, backend.job_records = backend.job_records, None
+    try:
+        return await adapter_sequential(adapter, run, start, count, alone=True)
+    finally:
+        backend.job_records = kept
 
 
 class Psij:
@@ -416,12 +428,16 @@ async def one_at_a_time(
     n = 0
     try:
         await adapter.status_batch(["1"])  # connect and check the cluster outside the timings
+        verified = await ssh_dir_checked(adapter, env) if transport == "ssh" else None
         for r in range(args.submit_rounds):
             raw_run = f"{run}{transport}r{r}"
             rates["raw"].append((await raw_loop(env, transport, raw_run, args.raw, switch))[0])
             if switch is not None:  # the loop inside the account: no switch per command
                 rate = raw_sbatch_loop(env, f"{raw_run}a", args.raw)[0]
                 rates.setdefault("raw_in_account", []).append(rate)
+            if verified is not None:  # what the directory's check in sbatch's command costs, alone
+                rate = (await raw_ssh_loop(env, f"{raw_run}g", args.raw, verified))[0]
+                rates.setdefault("raw_guarded", []).append(rate)
             for key, alone, count in (
                 ("first_attempt", True, args.sequential),
                 ("checked", False, args.checked),
@@ -437,6 +453,10 @@ async def one_at_a_time(
                     rate = 0.0
                 rates[key].append(rate)
                 n += count
+            if transport == "ssh" and args.sequential:  # the check of sbatch's answer as a new squeue command
+                rate, _ = await squeue_checked(adapter, f"{run}{transport}", n, args.sequential)
+                rates.setdefault("squeue_check", []).append(rate)
+                n += args.sequential
             if psij is not None:
                 rates["psij"].append(psij.loop(f"{run}{transport}r{r}", args.sequential)[0])
         calls = adapter.calls
@@ -481,6 +501,12 @@ def print_table(results: list[dict[str, Any]]) -> None:
     for result in results:
         cells = [_cell(result, k) for k in ("raw", "first_attempt", "checked", "psij")]
         print(f"{result['transport']:9} {cells[0]:>19} {cells[1]:>26} {cells[2]:>26} {cells[3]:>26}")
+        if "squeue_check" in result["median_per_s"]:
+            print(
+                f"  (ssh: the adapter checking each answer with a new squeue command, as before: "
+                f"{_cell(result, 'squeue_check')}; the raw loop with the directory's check in each sbatch "
+                f"command: {_cell(result, 'raw_guarded')})"
+            )
         inside = result["median_per_s"].get("raw_in_account")
         if inside:
             print(

@@ -357,6 +357,28 @@ async def test_over_ssh_checking_the_answer_starts_no_command_per_submission(env
         await adapter.close()
 
 
+async def test_over_ssh_a_login_without_a_running_scontrol_checks_each_answer_with_squeue(
+    env: dict[str, Any],
+) -> None:
+    """When the provider's ``scontrol`` cannot be kept running (here: not where the login looks for it), each
+    answer is still checked, with a new ``squeue`` command as before, and the failed start is not tried again for
+    every submission."""
+    adapter = sc.adapter(env, "ssh", hold=True)
+    provider = ProviderCommands(adapter)
+    adapter.backend.job_records.argv = ["/nonexistent/scontrol", "-o"]  # type: ignore[attr-defined]
+    try:
+        await adapter.submit(request(wid("no-scontrol-first"), sc.ALICE))
+        started, checks = provider.runner.commands, provider.seen.count("squeue")
+        jobs = {wid(f"no-scontrol-{i}"): "" for i in range(2)}
+        for wf in jobs:
+            jobs[wf] = (await adapter.submit(request(wf, sc.ALICE))).scheduler_job_id
+        assert all(sc.controller_jobs_of(env, wf) == [job] for wf, job in jobs.items())
+        assert provider.seen.count("squeue") == checks + 2, "each answer checked by squeue"
+        assert provider.runner.commands == started + 2, "squeue alone, no new start of the missing scontrol"
+    finally:
+        await adapter.close()
+
+
 def request(wf: str, tenant: str) -> SubmitRequest:
     """A first attempt on time (``alone_until`` ahead): it submits and checks nothing but ``sbatch``'s answer."""
     job = sc.spec(wf, "true\n", tenant=tenant)

@@ -205,14 +205,20 @@ class JobRecords:
     <token>``, which prints back a token drawn at random for that query alone: a job's name or comment (which the
     job's owner writes, newlines included) can neither end an answer early nor leave text for the next one. The
     process runs as the provider's account in the provider's own login, which no tenant reaches. Any trouble (a
-    timeout, a dropped connection, a cancelled caller) ends it, and the next query starts a new one.
+    timeout, a dropped connection, a cancelled caller) ends it, and the next query starts a new one; after a
+    failure, queries fail at once for ``PAUSE`` seconds (their callers ask ``squeue`` instead): queries wait for
+    one another, and a controller or login node that stopped answering must not cost each of them a timeout.
     """
+
+    PAUSE = 30.0
 
     def __init__(self, runner: SSHRunner, timeout: float) -> None:
         self.runner = runner
         self.timeout = timeout
+        self.argv = ["scontrol", "-o"]
         self._lock = asyncio.Lock()
         self._stream: _Stream | None = None
+        self._paused_until = 0.0
 
     async def show_job(self, job_id: str) -> str:
         """What ``scontrol`` printed for ``job_id`` up to the end of its answer (its prompt and the echo of the
@@ -221,12 +227,18 @@ class JobRecords:
         if not job_id.isascii() or not job_id.isdigit():
             raise ValueError(f"not a job id: {job_id[:40]!r}")
         async with self._lock:
+            if time.monotonic() < self._paused_until:
+                raise SchedulerUnavailable("scontrol over SSH failed moments ago", command=self.argv)
             try:
                 if self._stream is None:
                     self._stream = _Stream(
-                        await asyncio.to_thread(self.runner.start, ["scontrol", "-o"], self.timeout)
+                        await asyncio.to_thread(self.runner.start, self.argv, self.timeout)
                     )
                 return await asyncio.to_thread(self._stream.ask, job_id, self.timeout)
+            except SchedulerUnavailable:
+                self._paused_until = time.monotonic() + self.PAUSE
+                self._end()
+                raise
             except BaseException:  # cancelled or failed mid-answer: what is still to come would be the next's
                 self._end()
                 raise
