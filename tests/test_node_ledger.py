@@ -15,7 +15,7 @@ from activities.chain.node_ledger import NodeLedger
 from activities.routing import RoutingEnforcer
 from tests.node_support import beat, capacity
 from virtengine_hpc.config import AuditConfig, RoutingConfig
-from virtengine_hpc.errors import SecurityError, ValidationError
+from virtengine_hpc.errors import ChainUnavailable, SecurityError, ValidationError
 from virtengine_hpc.models import Cluster, JobSpec
 from virtengine_hpc.node.heartbeat import NodePlacement
 from virtengine_hpc.node.lifecycle import NodeMetadataUpdate, NodeState, NodeStateChange
@@ -151,6 +151,47 @@ def test_node_tables_share_the_local_ledgers_file_without_touching_its_tables(tm
         assert db.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
     assert {"node_allowed_keys", "node_registry", "node_metadata_updates"} <= tables
     assert chain.cluster("c1") is not None
+
+
+def test_a_write_while_another_process_holds_the_lock_is_chain_unavailable(tmp_path: Path) -> None:
+    """The node tables follow the ledger's error policy: a busy file is ``ChainUnavailable`` (transient, so the
+    node workflow's activity retries it), the message saying which ledger is busy; nothing is written."""
+    path = tmp_path / "ledger.db"
+    nodes = NodeLedger(path, busy_timeout=0.2)
+    enrol(nodes, "n1")
+    other = sqlite3.connect(path, isolation_level=None)  # another process's writer
+    other.execute("BEGIN IMMEDIATE")
+    try:
+        with pytest.raises(
+            ChainUnavailable, match=rf"node ledger {path} is busy: database is locked"
+        ) as caught:
+            nodes.accept_sequence("c1", "n1", 5, NOW)
+        assert caught.value.transient
+        assert nodes.get("c1", "n1") is not None  # reads go on while the lock is held
+    finally:
+        other.execute("ROLLBACK")
+        other.close()
+    assert nodes.accept_sequence("c1", "n1", 5, NOW).accepted  # the same call, once the lock is free
+
+
+def test_close_closes_the_connections_of_every_thread(tmp_path: Path) -> None:
+    """The API and the node activities call the node tables from worker threads; ``close()`` at shutdown releases
+    the file for all of them (the last connection to close removes the WAL file) and the tables are closed."""
+    path = tmp_path / "ledger.db"
+    nodes = NodeLedger(path)
+    enrol(nodes, "n1")
+    threads = [threading.Thread(target=nodes.accept_sequence, args=("c1", "n1", n, NOW)) for n in (1, 2, 3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert Path(f"{path}-wal").exists()
+    nodes.close()
+    assert not Path(f"{path}-wal").exists()
+    with pytest.raises(sqlite3.ProgrammingError, match="closed database"):
+        nodes.get("c1", "n1")
+    reopened = NodeLedger(path).get("c1", "n1")
+    assert reopened is not None and reopened.last_sequence == 3
 
 
 async def test_routing_refuses_a_job_that_the_active_nodes_cannot_hold(tmp_path: Path) -> None:

@@ -1,9 +1,11 @@
 """The node registry on the embedded chain: allowed node keys, registered nodes, node metadata updates,
 capacity.
 
-It lives in the LocalLedger's SQLite file (``Config.ledger_path``) but in its own tables (``node_*``) and over
-its own connection, so the two never share Python state; WAL mode and a busy timeout let the node API, the
-workers and the CLI use the file at once. Every write is one short ``BEGIN IMMEDIATE`` transaction.
+It lives in the LocalLedger's SQLite file (``Config.ledger_path``) but in its own tables (``node_*``, in
+``activities/chain/schema.py``) and over its own ``SqliteStore``, so the two never share Python state; it follows
+the ledger's policy: a connection per thread, WAL mode and a busy timeout let the node API, the workers and the
+CLI use the file at once, every write is one short ``BEGIN IMMEDIATE`` transaction, a busy file is
+``ChainUnavailable``. ``close()`` closes the file in every thread that used it.
 
 * ``node_allowed_keys``: the provider's allow-list (``virtengine-hpc nodes allow``). Only a node whose key is
   here (and not revoked) may register or send heartbeats; a new allow replaces the key (re-keying is an
@@ -18,15 +20,16 @@ from __future__ import annotations
 
 import json
 import sqlite3
-import threading
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
+from contextlib import AbstractContextManager
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 from pydantic import Field
 
+from activities.chain.schema import NODE_SCHEMA
+from activities.chain.store import SqliteStore
 from virtengine_hpc.errors import ChainError, ValidationError
 from virtengine_hpc.files import ensure_private
 from virtengine_hpc.models import Model
@@ -34,49 +37,6 @@ from virtengine_hpc.node.heartbeat import NodeCapacity, NodeHealth, NodePlacemen
 from virtengine_hpc.node.lifecycle import NodeMetadataUpdate, NodeState, NodeStateChange
 from virtengine_hpc.signing import public_key_from_b64
 
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS node_allowed_keys (
-    cluster_id TEXT NOT NULL,
-    node_id TEXT NOT NULL,
-    public_key TEXT NOT NULL,
-    scheduler_node TEXT NOT NULL,
-    allowed_at TEXT NOT NULL,
-    revoked_at TEXT,
-    PRIMARY KEY (cluster_id, node_id)
-);
-CREATE TABLE IF NOT EXISTS node_registry (
-    cluster_id TEXT NOT NULL,
-    node_id TEXT NOT NULL,
-    public_key TEXT NOT NULL,
-    hostname TEXT NOT NULL DEFAULT '',
-    agent_version TEXT NOT NULL DEFAULT '',
-    state TEXT NOT NULL,
-    registered_at TEXT NOT NULL,
-    state_changed_at TEXT NOT NULL,
-    last_sequence INTEGER NOT NULL DEFAULT 0,
-    last_heartbeat_at TEXT,
-    capacity TEXT,
-    health TEXT,
-    placement TEXT,
-    latency TEXT,
-    PRIMARY KEY (cluster_id, node_id)
-);
-CREATE INDEX IF NOT EXISTS node_registry_cluster_state ON node_registry (cluster_id, state);
-CREATE TABLE IF NOT EXISTS node_metadata_updates (
-    seq INTEGER PRIMARY KEY AUTOINCREMENT,
-    update_id TEXT NOT NULL UNIQUE,
-    cluster_id TEXT NOT NULL,
-    node_id TEXT NOT NULL,
-    kind TEXT NOT NULL,
-    state TEXT NOT NULL,
-    previous_state TEXT,
-    reason TEXT NOT NULL DEFAULT '',
-    payload TEXT NOT NULL,
-    created_at TEXT NOT NULL,
-    audited INTEGER NOT NULL DEFAULT 0
-);
-CREATE INDEX IF NOT EXISTS node_metadata_updates_node ON node_metadata_updates (cluster_id, node_id, seq);
-"""
 _SET_STATE = "UPDATE node_registry SET state = ?, state_changed_at = ? WHERE cluster_id = ? AND node_id = ?"
 
 
@@ -166,7 +126,8 @@ class MetadataUpdateRow(Model):
 
 
 class NodeLedger:
-    """Node tables of the embedded chain. Thread-safe; each call is one short transaction."""
+    """Node tables of the embedded chain. Thread-safe (a connection per thread); each call is one short
+    transaction."""
 
     def __init__(self, path: str | Path, *, busy_timeout: float = 10.0) -> None:
         self.path = Path(path)
@@ -174,46 +135,30 @@ class NodeLedger:
             ensure_private(self.path)
         except OSError as exc:
             raise ChainError(f"cannot create node ledger {self.path}: {exc.strerror}") from None
-        self._lock = threading.Lock()
-        self._db = sqlite3.connect(
-            self.path, timeout=busy_timeout, isolation_level=None, check_same_thread=False
-        )
-        self._db.row_factory = sqlite3.Row
+        self._store = SqliteStore(self.path, busy_timeout=busy_timeout, label="node ledger")
+        db = self._store.connect()
         try:
-            self._db.execute(f"PRAGMA busy_timeout = {int(busy_timeout * 1000)}")
-            self._db.execute("PRAGMA journal_mode = WAL")
-            self._db.execute("PRAGMA synchronous = NORMAL")
-            with self._lock:
-                self._db.executescript(_SCHEMA)
+            db.execute("PRAGMA journal_mode = WAL")
+            db.executescript(NODE_SCHEMA)
         except sqlite3.OperationalError as exc:
             # Another process holds the write lock while the tables are created: transient, like every other
             # busy write here (a worker starting during a ledger outage waits it out; benchmarks/chaos.py).
-            self._db.close()
+            self._store.close()
             busy = "locked" in str(exc) or "busy" in str(exc)
             raise ChainError(f"node ledger {self.path}: {exc}", transient=busy) from None
 
     def close(self) -> None:
-        with self._lock:
-            self._db.close()
+        """Close the file in every thread that used it; a call after this raises ``sqlite3.ProgrammingError``."""
+        self._store.close()
 
-    @contextmanager
-    def _write(self) -> Iterator[sqlite3.Connection]:
-        with self._lock:
-            try:
-                self._db.execute("BEGIN IMMEDIATE")
-            except sqlite3.OperationalError as exc:
-                raise ChainError(f"node ledger {self.path} is busy: {exc}", transient=True) from None
-            try:
-                yield self._db
-            except BaseException:
-                self._db.execute("ROLLBACK")
-                raise
-            else:
-                self._db.execute("COMMIT")
+    def _write(self) -> AbstractContextManager[sqlite3.Connection]:
+        """One write transaction of the store (``SqliteStore.tx``): ``BEGIN IMMEDIATE``, a busy file is
+        ``ChainUnavailable``."""
+        return self._store.tx(write=True)
 
     def _read(self, sql: str, params: Sequence[Any] = ()) -> list[sqlite3.Row]:
-        with self._lock:
-            return self._db.execute(sql, params).fetchall()
+        with self._store.tx(write=False) as db:
+            return db.execute(sql, params).fetchall()
 
     # --- allow-list -----------------------------------------------------------------------------------------
 

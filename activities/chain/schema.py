@@ -169,3 +169,48 @@ CREATE INDEX IF NOT EXISTS templates_by_id ON templates (template_id, seq);
 """
 
 SCHEMA_OBJECTS = frozenset(re.findall(r"CREATE (?:TABLE|INDEX) IF NOT EXISTS (\w+)", SCHEMA))
+
+# The node registry (``NodeLedger``): its own tables in the same file.
+NODE_SCHEMA = """
+CREATE TABLE IF NOT EXISTS node_allowed_keys (
+    cluster_id TEXT NOT NULL,
+    node_id TEXT NOT NULL,
+    public_key TEXT NOT NULL,
+    scheduler_node TEXT NOT NULL,
+    allowed_at TEXT NOT NULL,
+    revoked_at TEXT,
+    PRIMARY KEY (cluster_id, node_id)
+);
+CREATE TABLE IF NOT EXISTS node_registry (
+    cluster_id TEXT NOT NULL,
+    node_id TEXT NOT NULL,
+    public_key TEXT NOT NULL,
+    hostname TEXT NOT NULL DEFAULT '',
+    agent_version TEXT NOT NULL DEFAULT '',
+    state TEXT NOT NULL,
+    registered_at TEXT NOT NULL,
+    state_changed_at TEXT NOT NULL,
+    last_sequence INTEGER NOT NULL DEFAULT 0,
+    last_heartbeat_at TEXT,
+    capacity TEXT,
+    health TEXT,
+    placement TEXT,
+    latency TEXT,
+    PRIMARY KEY (cluster_id, node_id)
+);
+CREATE INDEX IF NOT EXISTS node_registry_cluster_state ON node_registry (cluster_id, state);
+CREATE TABLE IF NOT EXISTS node_metadata_updates (
+    seq INTEGER PRIMARY KEY AUTOINCREMENT,
+    update_id TEXT NOT NULL UNIQUE,
+    cluster_id TEXT NOT NULL,
+    node_id TEXT NOT NULL,
+    kind TEXT NOT NULL,
+    state TEXT NOT NULL,
+    previous_state TEXT,
+    reason TEXT NOT NULL DEFAULT '',
+    payload TEXT NOT NULL,
+    created_at TEXT NOT NULL,
+    audited INTEGER NOT NULL DEFAULT 0
+);
+CREATE INDEX IF NOT EXISTS node_metadata_updates_node ON node_metadata_updates (cluster_id, node_id, seq);
+"""

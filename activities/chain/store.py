@@ -41,6 +41,7 @@ class SqliteStore:
         self._local = threading.local()
         self._opened: dict[int, sqlite3.Connection] = {}
         self._opened_lock = threading.Lock()
+        self._closed = False
 
     def connect(self) -> sqlite3.Connection:
         """This thread's connection, opened once and reused: opening and closing a SQLite connection per call
@@ -48,6 +49,8 @@ class SqliteStore:
         conn: sqlite3.Connection | None = getattr(self._local, "conn", None)
         if conn is not None:
             return conn
+        if self._closed:
+            raise sqlite3.ProgrammingError("Cannot operate on a closed database.")
         try:
             conn = sqlite3.connect(
                 self.path, timeout=self.busy_timeout, isolation_level=None, check_same_thread=False
@@ -67,13 +70,14 @@ class SqliteStore:
 
     def _remember(self, conn: sqlite3.Connection) -> None:
         """Keep ``conn`` for ``close()``; close the connections of threads that have ended (their thread-local
-        reference is gone, and a thread id can be reused)."""
-        alive = {thread.ident for thread in threading.enumerate()}
+        reference is gone) and one kept under this thread's id (a thread id is reused after its thread ended)."""
+        here = threading.get_ident()
+        alive = {thread.ident for thread in threading.enumerate()} - {here}
         with self._opened_lock:
             for ident in [i for i in self._opened if i not in alive]:
                 with contextlib.suppress(sqlite3.Error):
                     self._opened.pop(ident).close()
-            self._opened[threading.get_ident()] = conn
+            self._opened[here] = conn
 
     def discard_connection(self) -> None:
         """Close this thread's connection (after a failure); the next call opens a new one."""
@@ -87,8 +91,10 @@ class SqliteStore:
                 conn.close()
 
     def close(self) -> None:
-        """Close every connection this store opened, in every thread."""
+        """Close every connection this store opened, in every thread; the store cannot be used afterwards (as a
+        closed ``sqlite3.Connection``, it raises ``sqlite3.ProgrammingError``)."""
         with self._opened_lock:
+            self._closed = True
             opened, self._opened = list(self._opened.values()), {}
         for conn in opened:
             with contextlib.suppress(sqlite3.Error):
