@@ -1,7 +1,7 @@
 """ClusterMonitorWorkflow: one per cluster task queue, asks the scheduler once per poll interval for every job.
 
 Job workflows register here (signal ``watch``, sent with signal-with-start by the activity that reports their
-transitions) and wait for a signal instead of running a heartbeating watch activity each: the status of every
+transitions, or ``watch_many``, one signal for the registrations a worker process has waiting) and wait for a signal instead of running a heartbeating watch activity each: the status of every
 watched job comes from one ``poll_cluster`` activity per interval, whatever the number of workers serving the
 cluster (invariant 4 in docs/architecture.md). The activity reads the watch set through the ``watched`` query, so
 the set never travels through history but once per continue-as-new, and signals only the jobs whose state
@@ -26,6 +26,7 @@ with workflow.unsafe.imports_passed_through():
         WatchEntry,
         WatchRegistration,
     )
+    from virtengine_hpc.watch_batch import MONITOR_TAKES_BATCHES, WATCH_MANY, WatchBatch
 
 IDLE_ROUNDS = 20
 """Poll intervals without any watched job before the monitor ends (at least a minute)."""
@@ -34,6 +35,11 @@ IDLE_LOOK_EVERY = timedelta(seconds=10)
 PATCH_IDLE_MOVES = "monitor-leaves-old-build-when-idle"
 """An idle monitor ends as soon as it sees another build of the workers current (the next job's registration
 starts it on that build): it waited out its whole idle time pinned to the old build, which never drained."""
+PATCH_TAKES_BATCHES = "monitor-takes-registration-batches"
+"""A run says in its memo that it handles ``watch_many`` (its value is the run's id), so that a worker process sends
+the registrations it has waiting in one signal: 10,000 jobs sent one signal each, which Temporal applies to the one
+workflow one at a time (about 10 a second on a loaded dev server). A run without the memo, an older build's, is sent
+one ``watch`` per job, the only signal it knows."""
 _POLL_RETRY = RetryPolicy(initial_interval=timedelta(seconds=1), maximum_interval=timedelta(seconds=30))
 
 
@@ -48,6 +54,15 @@ class ClusterMonitorWorkflow:
     @workflow.signal(name="watch")
     def watch(self, registration: WatchRegistration) -> None:
         """A job says where it stands; a final state ends its watch."""
+        self._watch(registration)
+
+    @workflow.signal(name=WATCH_MANY)
+    def watch_many(self, batch: WatchBatch) -> None:
+        """Several jobs say where they stand (one worker process's waiting registrations), in the order sent."""
+        for registration in batch.registrations:
+            self._watch(registration)
+
+    def _watch(self, registration: WatchRegistration) -> None:
         if registration.entry.state.final:
             self.watched.pop(registration.workflow_id, None)
             return
@@ -66,6 +81,8 @@ class ClusterMonitorWorkflow:
         interval = timedelta(seconds=settings.poll_interval_seconds)
         idle = max(timedelta(seconds=60), IDLE_ROUNDS * interval)
         rounds = inp.rounds
+        if workflow.patched(PATCH_TAKES_BATCHES):
+            workflow.upsert_memo({MONITOR_TAKES_BATCHES: workflow.info().run_id})
         while True:
             if not self.watched and not await self._woken_within(idle, interval):
                 await workflow.wait_condition(workflow.all_handlers_finished)
