@@ -15,6 +15,7 @@ import contextlib
 import json
 import os
 import pwd
+import secrets
 import shutil
 import uuid
 from collections.abc import AsyncIterator, Iterator
@@ -353,6 +354,26 @@ async def test_over_ssh_checking_the_answer_starts_no_command_per_submission(env
         job = (await adapter.submit(request(wf, sc.ALICE))).scheduler_job_id
         assert sc.controller_jobs_of(env, wf) == [job]
         assert provider.runner.commands == started + 1, "one new scontrol"
+    finally:
+        await adapter.close()
+
+
+async def test_over_ssh_the_end_of_each_answer_is_seen_whatever_token_is_drawn(
+    env: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each answer of the kept ``scontrol`` ends at a token it prints back (``show hostnames``); hostlist reads a
+    token's trailing digits as a number and prints 20 or more of them back changed, so a token drawn all digits
+    never showed up, the check waited out its timeout and went to ``squeue``."""
+    monkeypatch.setattr(secrets, "token_hex", lambda n: "7" * 2 * n)
+    adapter = sc.adapter(env, "ssh", hold=True)
+    adapter.backend.job_records.timeout = 5  # type: ignore[attr-defined]
+    provider = ProviderCommands(adapter)
+    try:
+        for i in range(2):
+            wf = wid(f"digits-{i}")
+            job = (await adapter.submit(request(wf, sc.ALICE))).scheduler_job_id
+            assert sc.controller_jobs_of(env, wf) == [job]
+        assert "squeue" not in provider.seen, "each answer read from the kept scontrol"
     finally:
         await adapter.close()
 

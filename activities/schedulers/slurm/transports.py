@@ -263,7 +263,8 @@ class _Stream:
         self.pending = b""
 
     def ask(self, job_id: str, timeout: float) -> str:
-        token = f"vehpc-end-{secrets.token_hex(16)}"
+        # a letter last: hostlist reads trailing digits as a number, and prints 20 or more of them back changed
+        token = f"vehpc-end-{secrets.token_hex(16)}z"
         end = f"\n{token}\n".encode()
         deadline = time.monotonic() + timeout
         try:
