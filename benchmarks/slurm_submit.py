@@ -7,6 +7,7 @@ Run (root, cluster up via ``temporal-dev/slurm-up.sh``)::
     .venv/bin/python -m benchmarks.slurm_submit [--transport all|cli|ssh|rest] [--raw 100] [--sequential 100]
         [--submit-rounds 3] [--switch-user runuser|setpriv] [--concurrent] [--jobs 1000] [--concurrency 32]
         [--interval 1.0] [--rounds 5]
+    .venv/bin/python -m benchmarks.slurm_submit --ssh-parts 40   # where a submission over SSH spends its time
 
 The adapter submits as a real deploy does, with per-tenant accounts (``hpc.tenants``): the benchmark's tenant is
 mapped to the cluster's first tenant account, and the cli transport switches to it with ``hpc.slurm.switch_user``
@@ -267,6 +268,52 @@ async def squeue_checked(adapter: SlurmAdapter, run: str, start: int, count: int
         return await adapter_sequential(adapter, run, start, count, alone=True)
     finally:
         backend.job_records = kept
+
+
+async def ssh_parts(env: dict[str, Any], run: str, count: int) -> dict[str, float]:
+    """Where a submission over SSH spends its time: median milliseconds of each command the adapter or the raw
+    loop runs, interleaved (``count`` of each): a bare SSH command of the tenant's login (``true``), the raw loop's
+    ``sbatch``, the adapter's ``sbatch`` behind the directory's check, the check of the answer as a new ``squeue``
+    command of the provider's login (before) and as a ``show job`` of its kept ``scontrol`` (now)."""
+    adapter = make_adapter(env, "ssh")
+    backend: Any = adapter.backend
+    account = tenant_account(env)
+    try:
+        verified = await ssh_dir_checked(adapter, env)
+        tenant, own = backend.executors.get(account).runner, backend.executors.own.runner
+        times: dict[str, list[float]] = {}
+
+        async def timed(key: str, call: Any) -> Any:
+            started = time.perf_counter()
+            result = await call
+            times.setdefault(key, []).append((time.perf_counter() - started) * 1000)
+            return result
+
+        for i in range(count):
+            argv = [
+                "sbatch",
+                "--parsable",
+                "--hold",
+                "-J",
+                f"vehpc-bench-{run}-parts-{i}",
+                "-A",
+                env["account"],
+            ]
+            argv += ["-D", tenant_dir(env), "-o", "/dev/null"]
+            script = "#!/bin/bash\ntrue\n"
+            await timed("ssh true (tenant)", tenant.run(["true"], timeout=60))
+            await timed("sbatch (raw)", tenant.run(argv, stdin=script, timeout=60))
+            done = await timed(
+                "sbatch behind the directory's check",
+                tenant.run(guarded(verified, argv), stdin=script, timeout=60),
+            )
+            job_id = done.stdout.strip().split(";")[0]
+            squeue = ["squeue", "-h", "-t", "all", "-j", job_id, "-O", "JobID,UserName,Name"]
+            await timed("squeue -j (new command, before)", own.run(squeue, timeout=60))
+            await timed("scontrol show job (kept, now)", backend.job_records.show_job(job_id))
+    finally:
+        await adapter.close()
+    return {key: round(statistics.median(values), 2) for key, values in times.items()}
 
 
 class Psij:
@@ -588,6 +635,12 @@ async def main() -> None:
     parser.add_argument("--concurrency", type=int, default=32, help="adapter submits in flight")
     parser.add_argument("--interval", type=float, default=1.0, help="StatusBatcher poll interval (s)")
     parser.add_argument("--rounds", type=int, default=5, help="polls per watcher")
+    parser.add_argument(
+        "--ssh-parts",
+        type=int,
+        default=0,
+        help="only time each command of a submission over SSH, this many each",
+    )
     args = parser.parse_args()
     env = load_env()
     run = uuid.uuid4().hex[:6]
@@ -600,6 +653,11 @@ async def main() -> None:
     assert main_task is not None
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, main_task.cancel)  # still cancel the jobs
     try:
+        if args.ssh_parts:
+            print(f"load average {os.getloadavg()}", flush=True)
+            print(json.dumps(await ssh_parts(env, run, args.ssh_parts), indent=1), flush=True)
+            print(f"load average {os.getloadavg()}", flush=True)
+            return
         for transport in transports:
             results.append(await one_at_a_time(env, transport, run, args, psij))
             print(json.dumps(results[-1], indent=1), flush=True)
