@@ -262,7 +262,8 @@ async def test_a_job_its_tenant_requeues_after_it_settled_is_cancelled_before_it
     pipe: Pipeline, env: dict[str, Any]
 ) -> None:
     """Slurm requeues a batch job that has already ended while the controller still holds it (``MinJobAge``), and
-    the job's owner may ask for it: the job waits about two minutes and runs again under the same id, after its
+    the job's owner may ask for it: the job waits out Slurm's hold after a requeue (the credential lifetime plus
+    1 s: 121 s by default, 31 s on the dev cluster) and runs again under the same id, after its
     workflow settled it, with nothing to watch or bill that run. The sweep cancels it while it waits. Slurm rewrote
     the record of the run that ended (REQUEUED, no start, 0 s): the adapter still reads that run for its batch
     step's time, so the job's accounting is what its records billed (before: 0 s against the 4 s billed)."""
