@@ -82,13 +82,15 @@ async def test_suspended_and_requeued_time_does_not_count_against_walltime(
     # Walltime 60 s (+5 s slack): the suspended job is on the cluster well past 65 s but runs less than 60 s. (A
     # job that really overruns is still stopped: tests/test_job_lifecycle.py; the local cluster has room for two.)
     suspended = submit(pipe, "#!/bin/bash\nsleep 45\necho done\n", walltime_seconds=60)
-    # The requeued job runs until it is requeued (about 35 s), then 30 s: some 65 s of its walltime of 90 (both runs
-    # count; the wait in the queue between them does not). Its first run must not end on its own before the requeue:
-    # Slurm requeues a batch job that has already ended too, after the chain settled on that end (a first run of
-    # "sleep 40" did, on a loaded machine: settled completed, then held pending to run again).
+    # The requeued job runs until it is requeued (about 35 s), then 40 s: some 75 s of its walltime of 90 (both runs
+    # count; the wait in the queue between them does not: Slurm holds a requeued job cred_expire + 1 s, 31 s on the
+    # dev cluster and 121 s by default, so the job is on the cluster past 90 + 5 s either way). Its first run must
+    # not end on its own before the requeue: Slurm requeues a batch job that has already ended too, after the chain
+    # settled on that end (a first run of "sleep 40" did, on a loaded machine: settled completed, then held pending
+    # to run again).
     requeued = submit(
         pipe,
-        '#!/bin/bash\nif [ "${SLURM_RESTART_COUNT:-0}" -gt 0 ]; then sleep 30; echo done; exit 0; fi\nsleep 300\n',
+        '#!/bin/bash\nif [ "${SLURM_RESTART_COUNT:-0}" -gt 0 ]; then sleep 40; echo done; exit 0; fi\nsleep 300\n',
         walltime_seconds=90,
     )
     for job_id in (suspended, requeued):
@@ -106,6 +108,11 @@ async def test_suspended_and_requeued_time_does_not_count_against_walltime(
     assert S in pipe.states_of(suspended), "the chain saw the suspension"
     assert results[requeued].state == C, results[requeued]
     assert pipe.states_of(requeued).count(R) >= 2, "the chain saw it run again after the requeue"
+    # Its runs' span on the cluster, the wait between them included, was past its walltime + slack (95 s).
+    sid = results[requeued].scheduler_job_id or ""
+    every_run = ["sacct", "--duplicates", "-X", "-P", "-n", "-j", sid, "-o", "Start,End"]
+    spans = sc.slurm_command(env, every_run).split()
+    assert len(spans) == 2 and int(spans[1].split("|")[1]) - int(spans[0].split("|")[0]) > 95, spans
 
 
 async def test_temporal_cancel_cancels_the_slurm_job_and_ends_the_job_on_chain(

@@ -13,7 +13,8 @@ import json
 import sqlite3
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from decimal import Decimal
 from pathlib import Path
 from typing import Any
@@ -24,9 +25,10 @@ from temporalio.client import Client
 from activities.schedulers.slurm import SlurmAdapter
 from tests import slurm_cluster as sc
 from tests.conftest import make_config
-from tests.pipeline_harness import running_pipeline
+from tests.pipeline_harness import Pipeline, running_pipeline
 from virtengine_hpc.cli import main as cli_main
 from virtengine_hpc.config import Config
+from virtengine_hpc.messages import JobResult
 from virtengine_hpc.states import JobState
 from virtengine_hpc.usage import sum_metrics
 
@@ -123,25 +125,25 @@ ENDS = {
 }
 
 
-@pytest.mark.parametrize("transport", ["cli", "ssh"])
-@pytest.mark.timeout(
-    900
-)  # a requeued job waits ~2 minutes (BeginTime) before it runs again; a shared cluster
-async def test_reconcile_agrees_with_sacct_for_jobs_of_every_outcome(
-    client: Client,
-    tmp_path: Path,
-    key_path: Path,
-    task_queue: str,
-    env: dict[str, Any],
-    capsys: pytest.CaptureFixture[str],
-    transport: str,
-) -> None:
-    """Jobs that completed, failed at once (exit 3), were cancelled while running and while pending, timed out,
-    were suspended and resumed (``scontrol suspend``/``resume``), and were requeued while running (``scontrol
-    requeue``: Slurm runs the job again under the same id, and plain ``sacct -j`` then shows the last run alone),
-    over the cli and ssh transports (slurmrestd's run did not finish on a cluster loaded by another test run; its
-    readings are tested in test_slurm_adapter.py and test_slurm_metering.py): the records add up to Slurm's own accounting of every run, and ``usage reconcile`` agrees.
-    A node failure is not produced here: the one node is shared by every test that runs."""
+@dataclass
+class OutcomesRun:
+    """The jobs of every outcome one pipeline ran over one transport, and what it left on its chain."""
+
+    transport: str
+    config: Config
+    pipe: Pipeline
+    jobs: dict[str, str]  # outcome -> chain job id
+    never_ran: str
+    results: dict[str, JobResult]
+    requeued: str  # the requeued job's Slurm id
+
+
+async def run_every_outcome(
+    client: Client, tmp_path: Path, key_path: Path, task_queue: str, env: dict[str, Any], transport: str
+) -> OutcomesRun:
+    """A pipeline of its own over ``transport`` (its own cluster id, ledger and task queue) runs a job of every
+    outcome, and one held and cancelled while pending, to their ends."""
+    tmp_path.mkdir()
     config, adapter = pipeline_config(tmp_path, env, transport=transport)
 
     def submit(label: str) -> str:
@@ -174,20 +176,45 @@ async def test_reconcile_agrees_with_sacct_for_jobs_of_every_outcome(
                 jobs["requeued"]: [(8, lambda sid: sc.slurm_command(env, ["scontrol", "requeue", sid]))],
             },
         )
-        requeued = ids[jobs["requeued"]]
         results = await pipe.run_until_done([never_ran, *jobs.values()], timeout=600)
-    assert results[never_ran].state == JobState.CANCELLED and not pipe.ledger.usage_records(never_ran)
-    assert {label: results[j].state for label, j in jobs.items()} == ENDS, {
-        label: results[j].message for label, j in jobs.items()
-    }
-    assert JobState.SUSPENDED in pipe.states_of(jobs["suspended"])
-    runs = sacct_runs(env, requeued)
-    assert [run["State"] for run in runs] == ["REQUEUED", "COMPLETED"] and int(runs[0]["ElapsedRaw"]) >= 8, (
-        runs
-    )
+    return OutcomesRun(transport, config, pipe, jobs, never_ran, results, ids[jobs["requeued"]])
 
-    config_file = tmp_path / "provider.json"
-    config_file.write_text(config.model_dump_json(exclude_defaults=True))
+
+@pytest.mark.timeout(
+    900
+)  # a requeued job waits out Slurm's hold (cred_expire + 1 s: 121 s by default, 31 s here)
+async def test_reconcile_agrees_with_sacct_for_jobs_of_every_outcome(
+    client: Client,
+    tmp_path: Path,
+    key_path: Path,
+    task_queue: str,
+    env: dict[str, Any],
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Jobs that completed, failed at once (exit 3), were cancelled while running and while pending, timed out,
+    were suspended and resumed (``scontrol suspend``/``resume``), and were requeued while running (``scontrol
+    requeue``: Slurm runs the job again under the same id, and plain ``sacct -j`` then shows the last run alone),
+    over the cli and ssh transports (slurmrestd's run did not finish on a cluster loaded by another test run; its
+    readings are tested in test_slurm_adapter.py and test_slurm_metering.py): the records add up to Slurm's own accounting of every run, and ``usage reconcile`` agrees.
+    Both transports' pipelines run at the same time, each with its own cluster id, ledger and task queue, so
+    their waits on Slurm (the requeue's hold, the walltime) overlap; each is checked on its own.
+    A node failure is not produced here: the one node is shared by every test that runs."""
+    async with asyncio.TaskGroup() as group:
+        started = [
+            group.create_task(run_every_outcome(client, tmp_path / t, key_path, f"{task_queue}-{t}", env, t))
+            for t in ("cli", "ssh")
+        ]
+    for run in (task.result() for task in started):
+        await check_every_outcome(run, env, capsys)
+    await check_findings(started[0].result(), env, capsys)
+
+
+def reconcile_cli(
+    run: OutcomesRun, capsys: pytest.CaptureFixture[str]
+) -> Callable[..., Awaitable[tuple[int, str]]]:
+    """``virtengine-hpc --config <run's config file> ...`` as an operator runs it: its exit code and output."""
+    config_file = run.config.ledger_path.parent / f"provider-{run.transport}.json"
+    config_file.write_text(run.config.model_dump_json(exclude_defaults=True))
 
     async def cli(*argv: str) -> tuple[int, str]:
         # The command runs its own event loop, as it does from a shell: off this test's loop.
@@ -195,6 +222,24 @@ async def test_reconcile_agrees_with_sacct_for_jobs_of_every_outcome(
         out, err = capsys.readouterr()
         assert "Traceback" not in err, err
         return code, out
+
+    return cli
+
+
+async def check_every_outcome(
+    run: OutcomesRun, env: dict[str, Any], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Every job ended as its outcome says, its records add up to sacct over all its runs, and ``usage reconcile``
+    and ``usage verify`` agree."""
+    pipe, jobs, results, config, transport = run.pipe, run.jobs, run.results, run.config, run.transport
+    assert results[run.never_ran].state == JobState.CANCELLED and not pipe.ledger.usage_records(run.never_ran)
+    assert {label: results[j].state for label, j in jobs.items()} == ENDS, {
+        label: results[j].message for label, j in jobs.items()
+    }
+    assert JobState.SUSPENDED in pipe.states_of(jobs["suspended"])
+    runs = sacct_runs(env, run.requeued)
+    assert [r["State"] for r in runs] == ["REQUEUED", "COMPLETED"] and int(runs[0]["ElapsedRaw"]) >= 8, runs
+    cli = reconcile_cli(run, capsys)
 
     figures = []
     for label, job_id in jobs.items():
@@ -226,10 +271,10 @@ async def test_reconcile_agrees_with_sacct_for_jobs_of_every_outcome(
         assert code == 0, out
 
     # Slurm's accounting of the job cancelled while pending says 0 s, no start: it agrees with no records.
-    code, out = await cli("usage", "reconcile", "--job", never_ran)
-    held_id = pipe.ledger.job(never_ran).scheduler_job_id
+    code, out = await cli("usage", "reconcile", "--job", run.never_ran)
+    held_id = pipe.ledger.job(run.never_ran).scheduler_job_id
     assert code == 0, out
-    assert out.startswith(f"OK    job {never_ran}: {held_id} on {config.hpc.cluster_id} never ran"), out
+    assert out.startswith(f"OK    job {run.never_ran}: {held_id} on {config.hpc.cluster_id} never ran"), out
 
     code, out = await cli("usage", "reconcile", "--since", "1h")
     assert code == 0 and out.rstrip().endswith(
@@ -237,9 +282,13 @@ async def test_reconcile_agrees_with_sacct_for_jobs_of_every_outcome(
     ), out
     with capsys.disabled():  # the figures docs/usage-records.md gives, for a reader of the test's output
         print("\n" + "\n".join(figures))
-    if transport != "cli":
-        return  # what follows is the command's own, the same whatever the transport
 
+
+async def check_findings(run: OutcomesRun, env: dict[str, Any], capsys: pytest.CaptureFixture[str]) -> None:
+    """What ``usage reconcile`` reports of records changed behind the provider's back (the command's own, the same
+    whatever the transport): a changed figure, a record taken out of a sequence, a job with no record at all."""
+    pipe, jobs, config = run.pipe, run.jobs, run.config
+    cli = reconcile_cli(run, capsys)
     # A record changed behind the provider's back: five seconds more than Slurm clocked.
     done = pipe.ledger.usage_records(jobs["completed"])[-1]
     data = json.loads(done.model_dump_json())
@@ -264,7 +313,7 @@ async def test_reconcile_agrees_with_sacct_for_jobs_of_every_outcome(
     code, out = await cli("usage", "reconcile", "--job", jobs["timeout"])
     assert code == 1 and out.startswith(f"DIFF  job {jobs['timeout']}") and "sequence gap: missing 2" in out
     code, out = await cli("usage", "reconcile", "--since", "1h")
-    failed_id = results[jobs["failed"]].scheduler_job_id or ""
+    failed_id = run.results[jobs["failed"]].scheduler_job_id or ""
     ran = sacct_elapsed(env, failed_id)  # 0 s, or 1 s when the second ticked over
     assert code == 1
     assert (
@@ -274,7 +323,9 @@ async def test_reconcile_agrees_with_sacct_for_jobs_of_every_outcome(
     assert out.rstrip().endswith("7 jobs: 4 agree, 3 differ, 0 cannot be reconciled, 0 still running"), out
 
 
-@pytest.mark.timeout(600)  # Slurm holds a requeued job back for ~2 minutes (BeginTime) before it runs again
+@pytest.mark.timeout(
+    600
+)  # Slurm holds a requeued job back (BeginTime) for cred_expire + 1 s before it runs again
 async def test_a_job_that_requeues_and_renames_itself_is_billed_for_every_run(
     client: Client,
     tmp_path: Path,
