@@ -8,6 +8,7 @@ import sqlite3
 import subprocess
 import sys
 import textwrap
+import threading
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from decimal import Decimal
@@ -829,6 +830,29 @@ def test_a_ledger_held_too_long_by_another_writer_is_a_transient_error(tmp_path:
         blocker.execute("ROLLBACK")
         blocker.close()
     assert ledger.fund("alice", 1) == 1
+
+
+def test_a_thread_that_ended_leaves_no_connection_open(tmp_path: Path) -> None:
+    """Each thread has its own connection; it goes with its thread, so a worker's short-lived threads do not pile
+    up open files. Here every connection is a thread's: once they ended, none holds the file (the last one to
+    close removed the WAL file), while the ledger itself lives on."""
+    path = tmp_path / "threads.db"
+    opened: list[LocalLedger] = []
+
+    def open_and_use() -> None:
+        ledger = LocalLedger(path)
+        ledger.fund("alice", 1)
+        opened.append(ledger)
+
+    def use() -> None:
+        opened[0].fund("alice", 1)
+
+    for target in (open_and_use, use, use):
+        thread = threading.Thread(target=target)
+        thread.start()
+        thread.join()
+    assert not Path(f"{path}-wal").exists()
+    assert opened[0].balance("alice") == 3
 
 
 def test_a_file_that_is_not_a_ledger_is_a_clear_error(tmp_path: Path) -> None:

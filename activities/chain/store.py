@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import sqlite3
 import threading
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -40,7 +41,7 @@ class SqliteStore:
         self.label = label
         self._local = threading.local()
         self._opened: dict[int, sqlite3.Connection] = {}
-        self._opened_lock = threading.Lock()
+        self._opened_lock = threading.RLock()
         self._closed = False
 
     def connect(self) -> sqlite3.Connection:
@@ -64,29 +65,23 @@ class SqliteStore:
         except sqlite3.DatabaseError as exc:
             conn.close()
             raise ChainError(f"{self.label} {self.path} is not a usable SQLite database: {exc}") from None
-        self._local.conn = conn
-        self._remember(conn)
-        return conn
-
-    def _remember(self, conn: sqlite3.Connection) -> None:
-        """Keep ``conn`` for ``close()``; close the connections of threads that have ended (their thread-local
-        reference is gone) and one kept under this thread's id (a thread id is reused after its thread ended)."""
-        here = threading.get_ident()
-        alive = {thread.ident for thread in threading.enumerate()} - {here}
+        mark = _ThreadMark()
         with self._opened_lock:
-            for ident in [i for i in self._opened if i not in alive]:
-                with contextlib.suppress(sqlite3.Error):
-                    self._opened.pop(ident).close()
-            self._opened[here] = conn
+            self._opened[id(mark)] = conn
+        # When the thread ends (or the store is dropped), its thread-local slot and the mark in it go, and the
+        # connection is closed with them, as a connection held only by the thread-local would be.
+        weakref.finalize(mark, _close_one, self._opened, self._opened_lock, id(mark)).atexit = False
+        self._local.conn, self._local.mark = conn, mark
+        return conn
 
     def discard_connection(self) -> None:
         """Close this thread's connection (after a failure); the next call opens a new one."""
         conn = getattr(self._local, "conn", None)
-        self._local.conn = None
+        mark = getattr(self._local, "mark", None)
+        self._local.conn = self._local.mark = None
+        if mark is not None:
+            _close_one(self._opened, self._opened_lock, id(mark))
         if conn is not None:
-            with self._opened_lock:
-                if self._opened.get(threading.get_ident()) is conn:
-                    del self._opened[threading.get_ident()]
             with contextlib.suppress(sqlite3.Error):
                 conn.close()
 
@@ -95,7 +90,8 @@ class SqliteStore:
         closed ``sqlite3.Connection``, it raises ``sqlite3.ProgrammingError``)."""
         with self._opened_lock:
             self._closed = True
-            opened, self._opened = list(self._opened.values()), {}
+            opened = list(self._opened.values())
+            self._opened.clear()
         for conn in opened:
             with contextlib.suppress(sqlite3.Error):
                 conn.close()
@@ -126,3 +122,18 @@ class SqliteStore:
         except sqlite3.DatabaseError:
             self.discard_connection()
             raise
+
+
+class _ThreadMark:
+    """Sits in one thread's thread-local slot beside its connection; collected when the thread ends."""
+
+    __slots__ = ("__weakref__",)
+
+
+def _close_one(opened: dict[int, sqlite3.Connection], lock: threading.RLock, key: int) -> None:
+    """Close and forget the connection kept under ``key`` (nothing when ``close()`` took it already)."""
+    with lock:
+        conn = opened.pop(key, None)
+    if conn is not None:
+        with contextlib.suppress(sqlite3.Error):
+            conn.close()
