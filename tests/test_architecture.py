@@ -36,8 +36,6 @@ MAX_LINES = 700
 LONG_MODULES = {
     # Issue 16, WP2: the virtengine-hpc command leaves the domain package, its ledger report printed apart.
     "virtengine_hpc/cli/ledger.py",
-    # Issue 16, WP4: the config package, a module per section.
-    "virtengine_hpc/config.py",
     # Issue 16, WP5: the batch base owns what SLURM and MOAB both do.
     "activities/schedulers/batch/base.py",
     "activities/schedulers/slurm/adapter.py",

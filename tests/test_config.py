@@ -173,6 +173,58 @@ routing:
             assert lookup(config, key) == expected, key
 
 
+PUBLIC_NAMES = [
+    "ADDRESS_PATTERN",
+    "AuditConfig",
+    "ChainConfig",
+    "ClusterConfig",
+    "Config",
+    "ConfigError",
+    "Duration",
+    "ENV_PREFIX",
+    "HPCConfig",
+    "JobServiceConfig",
+    "LocalSchedulerConfig",
+    "LoggingConfig",
+    "MAX_CONFIG_DEPTH",
+    "MAX_CONFIG_VALUES",
+    "MAX_DURATION_SECONDS",
+    "MAX_ERRORS_SHOWN",
+    "MetricsConfig",
+    "MoabConfig",
+    "NodesConfig",
+    "OODConfig",
+    "ProviderConfig",
+    "RetryConfig",
+    "RoutingConfig",
+    "SECRET_ENV_VARS",
+    "SERVICE_ACCOUNTS",
+    "SchedulerType",
+    "Secrets",
+    "Section",
+    "SlurmConfig",
+    "TemporalConfig",
+    "TenantsConfig",
+    "TracingConfig",
+    "UsageReportingConfig",
+    "check_config_size",
+    "default_build_id",
+    "load_config",
+    "package_version",
+    "parse_duration",
+]
+
+
+def test_every_public_name_is_imported_from_the_config_package() -> None:
+    """The sections live in modules of virtengine_hpc/config/, but every name the one config module had is still
+    imported from the package, where the workers, adapters, CLI and tests import it."""
+    import virtengine_hpc.config as package
+
+    assert sorted(package.__all__) == sorted(PUBLIC_NAMES)
+    missing = [name for name in PUBLIC_NAMES if not hasattr(package, name)]
+    assert not missing
+
+
 def test_derived_paths_follow_the_state_store() -> None:
     config = load({"hpc": {"job_service": {"state_store_path": "/srv/hpc"}}})
     assert config.state_dir == Path("/srv/hpc")

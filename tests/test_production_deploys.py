@@ -86,7 +86,7 @@ def test_workflow_code_that_differs_never_shares_the_default_build_id(
 ) -> None:
     """Versioned deploys are safe by default only if a build whose workflow code changed gets another id, whether
     or not anybody bumped the package version (two builds under one id replay each other's jobs)."""
-    from virtengine_hpc import config as config_module
+    from virtengine_hpc.config import build_id as config_module
     from virtengine_hpc.config import load_config
 
     before = config_module.default_build_id()
@@ -98,6 +98,22 @@ def test_workflow_code_that_differs_never_shares_the_default_build_id(
     after = config_module.default_build_id()
     assert after != before and after.startswith(config_module.package_version() + "+wf.")
     assert load_config(data={}, env={}).temporal.build_id == after
+
+
+def test_the_default_build_id_digests_the_domain_files_a_workflow_carries() -> None:
+    """The messages, states and models a workflow carries decide what it does as much as workflows/ does, so
+    the default build id digests them first. The digest finds them through the import system, not beside its own
+    file: it lives in virtengine_hpc/config/, where they are not, and a missing file would be left out
+    silently, so a build whose messages changed would keep the old id."""
+    from virtengine_hpc import messages, models, states
+    from virtengine_hpc.config.build_id import _workflow_sources
+
+    sources = [path.resolve() for path in _workflow_sources()]
+    domain = [Path(module.__file__ or "").resolve() for module in (messages, states, models)]
+    assert sources[:3] == domain
+    workflows = sorted((REPO / "workflows").glob("*.py"))
+    assert sources[3:] == [path.resolve() for path in workflows]
+    assert REPO / "workflows" / "hpc_job.py" in sources
 
 
 def test_the_version_is_not_older_than_the_newest_recorded_release() -> None:
