@@ -38,7 +38,7 @@ from tests.local_support import reachable_dir
 from tests.pipeline_harness import Pipeline, running_pipeline
 from tests.sim.moab import ensure_user
 from virtengine_hpc.config import load_config
-from virtengine_hpc.errors import ConfigError, SecurityError
+from virtengine_hpc.errors import ConfigError, SchedulerUnavailable, SecurityError
 from virtengine_hpc.states import JobState
 from virtengine_hpc.tenancy import TenantAccountError, TenantRules
 
@@ -398,6 +398,25 @@ async def test_over_ssh_a_login_without_a_running_scontrol_checks_each_answer_wi
         assert provider.runner.commands == started + 2, "squeue alone, no new start of the missing scontrol"
     finally:
         await adapter.close()
+
+
+async def test_closing_the_adapter_does_not_wait_for_a_check_the_login_node_never_answers(
+    env: dict[str, Any],
+) -> None:
+    """A worker that stops closes its adapter; a check still waiting on the kept ``scontrol`` (here a command that
+    never answers, within a timeout of 10 minutes) fails at once instead of holding the close up."""
+    adapter = sc.adapter(env, "ssh", hold=True)
+    records = adapter.backend.job_records  # type: ignore[attr-defined]
+    records.argv, records.timeout = ["sleep", "600"], 600
+    query = asyncio.create_task(records.show_job("1"))
+    while records._stream is None:  # the command started, the query waits for its answer
+        await asyncio.sleep(0.05)
+    try:
+        await asyncio.wait_for(adapter.close(), 30)
+        with pytest.raises(SchedulerUnavailable):
+            await asyncio.wait_for(query, 30)
+    finally:
+        query.cancel()
 
 
 def request(wf: str, tenant: str) -> SubmitRequest:

@@ -249,8 +249,9 @@ class JobRecords:
             stream.channel.close()
 
     async def close(self) -> None:
-        async with self._lock:
-            self._end()
+        """Ends the running ``scontrol`` now: a query still waiting for its answer fails at once
+        (``SchedulerUnavailable``) instead of holding the close up to its timeout."""
+        self._end()
 
 
 class _Stream:
