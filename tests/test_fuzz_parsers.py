@@ -525,6 +525,7 @@ REST_BODIES = st.lists(BODIES | st.sampled_from([b"", b"not json", b"[1, 2]"]), 
 @pytest.mark.timeout(240)
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow], database=None)
 @given(bodies=REST_BODIES)
+@example(bodies=[{"statistics": True, "jobs": [{"job_id": 7, "job_state": "RUNNING"}]}])
 def test_the_adapter_over_garbage_slurmrestd_answers_raises_only_typed_errors(bodies: list[Any]) -> None:
     async def scenario() -> None:
         adapter = _rest_adapter(bodies)

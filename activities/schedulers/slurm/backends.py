@@ -702,7 +702,8 @@ class RestBackend(SlurmBackend):
         """slurmctld's clock (``/diag``: ``req_time``, when it answered, in whole seconds): a running job's start
         and suspend times are on this clock, the worker's may be ahead of it."""
         body = await self._get("diag", f"{self.slurm}/diag")
-        stamp = (body.get("statistics") or {}).get("req_time")
+        statistics = body.get("statistics")
+        stamp = statistics.get("req_time") if isinstance(statistics, dict) else None
         if isinstance(stamp, int) and not isinstance(stamp, bool) and stamp > 0:
             return datetime.fromtimestamp(stamp, UTC)
         raise await self._fail(p.rest_errors(body), "slurmrestd diag", SchedulerError)
