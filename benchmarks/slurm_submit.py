@@ -63,7 +63,7 @@ from activities.schedulers.base import SubmitRequest
 from activities.schedulers.batch.workdir import Verified, guarded
 from activities.schedulers.batcher import StatusBatcher
 from activities.schedulers.slurm import SlurmAdapter
-from activities.schedulers.slurm.script import plan_submission, render_rest_job
+from activities.schedulers.slurm.script import plan_submission, render_batch_script, render_rest_job
 from activities.schedulers.slurm.transports import AccountRunner, LocalRunner, SSHRunner
 from virtengine_hpc.config import Secrets, load_config
 from virtengine_hpc.errors import SchedulerUnavailable
@@ -319,6 +319,20 @@ async def ssh_parts(env: dict[str, Any], run: str, count: int) -> dict[str, floa
                 tenant.run(builtin, stdin=script, timeout=60),
             )
             job_id = done.stdout.strip().split(";")[0]
+            plan = plan_submission(
+                request(run, -i - 1),
+                name=f"vehpc-bench-{run}-parts-script-{i}",
+                cluster_id="bench",
+                default_partition=env["partition"],
+                account=env["account"],
+                work_dir=tenant_dir(env),
+                hold=True,
+            )
+            job_script = render_batch_script(plan)  # the whole job the adapter submits: its directives
+            await timed(
+                "sbatch of the adapter's script (raw)",
+                tenant.run(["sbatch", "--parsable"], stdin=job_script, timeout=60),
+            )
             squeue = ["squeue", "-h", "-t", "all", "-j", job_id, "-O", "JobID,UserName,Name"]
             await timed("squeue -j (new command, before)", own.run(squeue, timeout=60))
             await timed("scontrol show job (kept, now)", backend.job_records.show_job(job_id))
