@@ -41,7 +41,14 @@ from tests.pipeline_harness import TENANT, running_pipeline, setup_ledger
 from virtengine_hpc.config import Secrets
 from virtengine_hpc.errors import ChainError, ChainUnavailable
 from virtengine_hpc.markers import claimed_workflow
-from virtengine_hpc.messages import JobStatusView, SubmitInput, SubmitOutput, UsageInput, WatchInput
+from virtengine_hpc.messages import (
+    JobStatusView,
+    SubmitInput,
+    SubmitOutput,
+    UsageInput,
+    WatchInput,
+    monitor_workflow_id,
+)
 from virtengine_hpc.metering import meter
 from virtengine_hpc.models import JobSpec, Resources, UsageMetrics, UsageRecord
 from virtengine_hpc.signing import Signer
@@ -531,7 +538,8 @@ async def test_a_usage_retry_after_a_lost_answer_carries_the_stored_record(
     the chain accepts the accounting and settles. (Before: the retry carried its own, later reading, the next
     records were differences from it, the sum fell short by the gap and the ledger refused the accounting.)
 
-    On the cluster monitor's path the report is a local activity, retried within one workflow task whose clock
+    On the cluster monitor's path, for a job whose monitor rounds less often than twice a report interval (it
+    sends its own period records), the report is a local activity, retried within one workflow task whose clock
     stands still: the next report is still due on the job's schedule, not as late as the retries took (it came
     after the job had ended, and the job had one period record instead of two)."""
     adapter = MemoryAdapter(
@@ -545,7 +553,10 @@ async def test_a_usage_retry_after_a_lost_answer_carries_the_stored_record(
         chains.append(LostAnswerChain(ledger))
         return chains[-1]
 
-    config = make_config(tmp_path, hpc={"job_service": {"cluster_monitor": by_monitor}})
+    hpc: dict[str, Any] = {"job_service": {"cluster_monitor": by_monitor}}
+    if by_monitor:
+        hpc["local"] = {"job_poll_interval": "1500ms"}  # the job's report interval is 2 s: it sends its own
+    config = make_config(tmp_path, hpc=hpc)
     async with running_pipeline(client, config, key_path, adapter, task_queue, chain=lossy) as pipe:
         job_id = pipe.submit()
         results = await pipe.run_until_done([job_id], timeout=90)
@@ -831,9 +842,13 @@ class StallingChain:
         return result
 
 
-@pytest.mark.parametrize("by_monitor", [False, True], ids=["watch activity", "cluster monitor"])
+@pytest.mark.parametrize(
+    "path",
+    ["watch activity", "cluster monitor", "monitor's round"],
+    ids=["watch activity", "cluster monitor", "round"],
+)
 async def test_a_report_sent_by_a_lost_watch_attempt_is_not_reused_by_the_final_record(
-    client: Any, tmp_path: Path, key_path: Path, task_queue: str, by_monitor: bool
+    client: Any, tmp_path: Path, key_path: Path, task_queue: str, path: str
 ) -> None:
     """Found by the load benchmark (13 of 600 jobs parked): a watch attempt sent period record 1 and lost its
     attempt to a heartbeat timeout before answering; the job ended meanwhile, so the retried watch answered
@@ -841,8 +856,10 @@ async def test_a_report_sent_by_a_lost_watch_attempt_is_not_reused_by_the_final_
     stored record was not final, and the ledger refused the accounting. Now the retried watch names the record
     its predecessor sent, and the final record is record 2.
 
-    On the cluster monitor's path the period report is a local activity: the stall loses the workflow task that
-    ran it, and the task's retry runs the report again, which meets the stored record 1 and carries it."""
+    On the cluster monitor's path a job whose monitor rounds less often than twice a report interval sends its own
+    period records, each a local activity: the stall loses the workflow task that ran it, and the task's retry runs
+    the report again, which meets the stored record 1 and carries it. Where the monitor's round sends them (from
+    the first period on), the stall loses the round's attempt, and its retry finds the job ended."""
     adapter = MemoryAdapter(
         default=Script(
             [(0.0, JobState.QUEUED), (0.2, JobState.RUNNING), (5.0, JobState.COMPLETED)], exit_code=0
@@ -854,7 +871,11 @@ async def test_a_report_sent_by_a_lost_watch_attempt_is_not_reused_by_the_final_
         chains.append(StallingChain(ledger))
         return chains[-1]
 
-    config = make_config(tmp_path, hpc={"job_service": {"cluster_monitor": by_monitor}})
+    by_monitor = path != "watch activity"
+    hpc: dict[str, Any] = {"job_service": {"cluster_monitor": by_monitor}}
+    if path == "cluster monitor":
+        hpc["local"] = {"job_poll_interval": "1500ms"}  # the job's report interval is 2 s: it sends its own
+    config = make_config(tmp_path, hpc=hpc)
     async with running_pipeline(client, config, key_path, adapter, task_queue, chain=stalling) as pipe:
         job_id = pipe.submit()
         results = await pipe.run_until_done([job_id], timeout=150)
@@ -862,8 +883,10 @@ async def test_a_report_sent_by_a_lost_watch_attempt_is_not_reused_by_the_final_
         assert scheduler_job_id is not None
         final = await adapter.usage(scheduler_job_id)
         history = await pipe.handle(job_id).fetch_history()
+        if path == "monitor's round":  # (the round's attempt was lost)
+            history = await pipe.client.get_workflow_handle(monitor_workflow_id(task_queue)).fetch_history()
     assert chains[0].stalled == [f"{config.hpc.cluster_id}/{job_id}/1"]
-    if by_monitor:
+    if path == "cluster monitor":
         lost = [e for e in history.events if e.HasField("workflow_task_timed_out_event_attributes")]
         assert lost, "the workflow task that ran the report was lost"
     else:
@@ -873,7 +896,7 @@ async def test_a_report_sent_by_a_lost_watch_attempt_is_not_reused_by_the_final_
             if e.HasField("activity_task_started_event_attributes")
             and e.activity_task_started_event_attributes.attempt > 1
         ]
-        assert any("Heartbeat timeout" in m for m in retried), f"the watch attempt was lost: {retried}"
+        assert any("Heartbeat timeout" in m for m in retried), f"the attempt that sent it was lost: {retried}"
     assert results[job_id].state == JobState.COMPLETED, results[job_id].message
     records = pipe.ledger.usage_records(job_id)
     assert [(r.sequence, r.is_final) for r in records] == [(1, False), (2, True)]

@@ -143,6 +143,12 @@ PATCH_LOCAL_CHAIN_STEPS = "local-chain-steps"
 instead of six), the submission reports the job queued itself, and a run records this one marker where it recorded
 ``PATCH_NO_JOB_LEFT_BEHIND`` and ``PATCH_CLUSTER_MONITOR`` (both implied): a short job's history halves. Decided
 once per run, so runs that began before it replay as they ran."""
+PATCH_MONITOR_SENDS_FIRST_PERIOD = "monitor-sends-first-period"
+"""A running job registers with its cluster monitor for its period records when it reports running, so the monitor
+sends the first record of a run too (4 history events a period, where the job's own first record cost 8: timer,
+workflow task, a patch marker and its upsert, the local activity's marker, the next timer); a run records this one
+marker where it recorded ``PATCH_LOCAL_CHAIN_STEPS`` (implied, with ``PATCH_MONITOR_SENDS_PERIODS``). Decided once
+per run, so runs that began before it replay as they ran."""
 LOCAL_STEP_TIMEOUT = timedelta(seconds=10)
 LOCAL_STEP_ATTEMPTS = 3
 """A local step's attempts (each at most ``LOCAL_STEP_TIMEOUT``) before it runs as an ordinary activity: a local
@@ -182,6 +188,7 @@ class HPCJobWorkflow:
         self.refunded: str | None = None
         self.v2 = False  # PATCH_NO_JOB_LEFT_BEHIND, decided when the run starts
         self.local = False  # PATCH_LOCAL_CHAIN_STEPS, decided when the run starts
+        self.first_by_monitor = False  # PATCH_MONITOR_SENDS_FIRST_PERIOD, decided when the run starts
         self.by_monitor = False  # PATCH_CLUSTER_MONITOR, decided when the run starts
         self.observed: NativeStatus | None = None  # the monitor's latest news, not yet applied
         self._timer: asyncio.Future[None] | None = None
@@ -294,9 +301,10 @@ class HPCJobWorkflow:
 
     @workflow.run
     async def run(self, inp: JobWorkflowInput) -> JobResult:
-        # One marker for a new run: the local steps imply the two patches before them (asked, in this order, only
-        # of a run that began before it, whose replay finds their markers as they were recorded).
-        self.local = workflow.patched(PATCH_LOCAL_CHAIN_STEPS)
+        # One marker for a new run: it implies the patches before it (asked, in this order, only of a run that
+        # began before it, whose replay finds their markers as they were recorded).
+        self.first_by_monitor = workflow.patched(PATCH_MONITOR_SENDS_FIRST_PERIOD)
+        self.local = self.first_by_monitor or workflow.patched(PATCH_LOCAL_CHAIN_STEPS)
         self.v2 = self.local or workflow.patched(PATCH_NO_JOB_LEFT_BEHIND)
         # The monitor is the default (hpc.job_service.cluster_monitor); a job started with it off takes the
         # watch-activity path, as before the monitor existed, and so does the replay of a run that began before
@@ -888,22 +896,31 @@ class HPCJobWorkflow:
         """The registration that has the job's monitor send its period records after this one, or None: the job
         keeps its own report timer (its monitor does not round often enough, or the run began before
         ``PATCH_MONITOR_SENDS_PERIODS``)."""
-        often = 2 * self.settings.poll_interval_seconds <= self.settings.report_interval_seconds
-        if not self.by_monitor or not often:
+        if not self._monitor_can_send():
             return None
-        if not self.c.reports_by_monitor and not workflow.patched(PATCH_MONITOR_SENDS_PERIODS):
+        implied = self.c.reports_by_monitor or self.first_by_monitor
+        if not implied and not workflow.patched(PATCH_MONITOR_SENDS_PERIODS):
             return None
         interval = timedelta(seconds=self.settings.report_interval_seconds)
         return self._registration(JobState.RUNNING, None, report_due=due + interval)
 
+    def _monitor_can_send(self) -> bool:
+        """The job's monitor rounds often enough (twice a report interval) to send its period records."""
+        often = 2 * self.settings.poll_interval_seconds <= self.settings.report_interval_seconds
+        return self.by_monitor and often
+
     def _registration(
         self, state: JobState, began: datetime | None, *, report_due: datetime | None = None
     ) -> WatchRegistration | None:
-        """What the cluster's monitor is told of this job in a new state (None: the job is not watched by it)."""
+        """What the cluster's monitor is told of this job in a new state (None: the job is not watched by it).
+
+        A running job's registration says when its next period record is due once its monitor sends them, and,
+        since ``PATCH_MONITOR_SENDS_FIRST_PERIOD``, from the run's first period on."""
         if not self.by_monitor or self.c.scheduler_job_id is None:
             return None
         start = began if state == JobState.RUNNING and began is not None else self.c.start_time
-        if report_due is None and self.c.reports_by_monitor and state == JobState.RUNNING:
+        by_monitor = self.c.reports_by_monitor or (self.first_by_monitor and self._monitor_can_send())
+        if report_due is None and by_monitor and state == JobState.RUNNING:
             last = self.c.last_report_at or self.c.started_at or workflow.now()
             report_due = last + timedelta(seconds=self.settings.report_interval_seconds)
         return WatchRegistration(
@@ -992,9 +1009,11 @@ class HPCJobWorkflow:
             return
         path = self._path_to(target, status)
         if self.c.started_at is None and (status.start_time is not None or JobState.RUNNING in path):
-            # The job ran (perhaps between two polls): its usage starts when the scheduler started it.
+            # The job ran (perhaps between two polls): its usage starts when the scheduler started it. (A run made by
+            # a reset can hear its monitor's first period records before the news that the job runs: they stand.)
             started = status.start_time or workflow.now()
-            self.c = self.c.model_copy(update={"started_at": started, "last_report_at": started})
+            last = self.c.last_report_at or started
+            self.c = self.c.model_copy(update={"started_at": started, "last_report_at": last})
         for step in path:
             if step.final:
                 self.c = self.c.model_copy(update={"exit_code": status.exit_code})
@@ -1098,6 +1117,9 @@ class HPCJobWorkflow:
             )
         workflow.upsert_search_attributes([SA_STATE.value_set(new.value)])
         self._entered(request.old_state, new, message, watched=request.watch is not None, began=began)
+        if request.watch is not None and request.watch.entry.report_due is not None:
+            # Registered for its period records: its monitor sends them from now on.
+            self.c = self.c.model_copy(update={"reports_by_monitor": True})
 
     def _transition_input(
         self,
