@@ -508,7 +508,8 @@ async def test_walltime_counts_every_run_but_not_suspended_or_requeued_waits(
     config = new_config(tmp_path, job_service={"walltime_grace": "1s", "job_poll_interval": "300ms"})
     scheduler = MemoryAdapter()
     async with running_pipeline(client, config, key_path, scheduler, task_queue) as p:
-        # walltime 60 s: each job is on the cluster far longer than 61 s, but runs less than that in all.
+        # walltime 60 s: each job is on the cluster longer than 61 s (70 s, or 58 s and a requeue the chain must
+        # see), but runs less than that in all.
         suspended = p.submit(walltime_seconds=60)
         requeued = p.submit(walltime_seconds=60)
         unseen = p.submit(
@@ -518,7 +519,7 @@ async def test_walltime_counts_every_run_but_not_suspended_or_requeued_waits(
         # A job that requeues itself before each run reaches the limit the scheduler gives every run.
         self_requeuing = p.submit(walltime_seconds=60)
         scheduler.scripts = {
-            suspended: Script([(0, Q), (0.2, R), (20, S), (75, R), (95, C)], exit_code=0),
+            suspended: Script([(0, Q), (0.2, R), (20, S), (50, R), (70, C)], exit_code=0),
             requeued: Script([(0, Q), (0.2, R), (30, Q), (42, R), (70, C)], exit_code=0),
             unseen: Script([(0, Q), (0.2, R), (30, Q), (30.01, R), (58, C)], exit_code=0),
             overrun: Script([(0, Q), (0.2, R), (600, C)], exit_code=0),
