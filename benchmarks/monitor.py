@@ -208,6 +208,8 @@ class Figures:
     rss_watching: int
     cpu_seconds: float
     events: list[int]
+    load: tuple[float, float] = (0.0, 0.0)
+    """The machine's 1-minute load average when the window began and when it ended."""
     short_job: float = 0.0
     per_period: float = 0.0
 
@@ -241,6 +243,9 @@ def config_data(base: Path, env: dict[str, Any], address: str, args: argparse.Na
             "retry": {"max_retries": 3, "initial_backoff": "1s", "max_backoff": "10s"},
             "audit": {"log_path": str(base / "audit.log")},
         },
+        # A ramp of 10,000 jobs takes longer than a decision's default age (600 s): the ramp measures the host,
+        # not routing (a decision made at submission went stale before its job was routed).
+        "routing": {"decision_max_age": "6h", "decision_max_age_blocks": 1_000_000},
         "provider": {"address": "virtengine1provider0bench"},
         "temporal": {"address": address, "deployment_name": None},
         "logging": {"level": "WARNING"},
@@ -278,6 +283,14 @@ async def run_design(
     await asyncio.sleep(args.window)
     background = _diff(sdiag(shell), before)
 
+    # Bytecode for the workers' imports: Temporal's sandbox imports the workflow modules afresh for every workflow
+    # it loads, and with PYTHONDONTWRITEBYTECODE (set on the project machine) and no __pycache__ each load compiled
+    # them from source (a third of a worker's CPU during a 10,000-job ramp, py-spy); an installed package has it.
+    subprocess.run(
+        [sys.executable, "-m", "compileall", "-q", "virtengine_hpc", "workflows", "activities", "workers"],
+        cwd=design.code,
+        check=True,
+    )
     workers: list[subprocess.Popen[bytes]] = []
     job_ids: list[str] = []
     keep = False  # the run's directory (logs), kept when the design did not get through
@@ -378,6 +391,7 @@ async def run_design(
         await asyncio.sleep(args.settle)
 
         cpu0 = sum(sum(p.cpu_times()[:2]) for p in procs)
+        load0 = os.getloadavg()[0]
         before = sdiag(shell)
         t0 = time.monotonic()
         await asyncio.sleep(args.window)
@@ -401,6 +415,7 @@ async def run_design(
             rss,
             cpu,
             events,
+            (load0, os.getloadavg()[0]),
         )
     except BaseException:
         keep = True
@@ -530,6 +545,7 @@ def report(figures: list[Figures], failed: dict[str, str], args: argparse.Namesp
     row(
         "  per 1,000 watched jobs", [f"{100 * f.cpu_seconds / f.window / f.jobs * 1000:.2f}" for f in figures]
     )
+    row("load average (1 min), window start / end", [f"{f.load[0]:.1f} / {f.load[1]:.1f}" for f in figures])
     row("history events per held job (max)", [str(max(f.events)) for f in figures])
     row("history events, short job start to settlement", [f"{f.short_job:.0f}" for f in figures])
     row("  per usage-report period", [f"{f.per_period:.1f}" for f in figures])
