@@ -341,6 +341,29 @@ async def ssh_parts(env: dict[str, Any], run: str, count: int) -> dict[str, floa
     return {key: round(statistics.median(values), 2) for key, values in times.items()}
 
 
+@contextlib.contextmanager
+def directory_checked_by_shell_tests() -> Any:
+    """What-if, not the adapter's behaviour: the job directory's check in ``sbatch``'s command made of the shell's
+    own tests (a directory, not a link, the account's own: no process started) instead of ``stat`` comparing kind,
+    owner and mode of every directory up to ``/`` (``workdir.guarded``); docs/benchmarks.md says what it would
+    give up."""
+    from activities.schedulers.slurm import backends
+
+    def tests(verified: Verified, argv: list[str]) -> list[str]:
+        script = (
+            f'if [ -d "$0" ] && [ ! -h "$0" ] && [ -O "$0" ]; then exec {shlex.join(argv)}; fi; '
+            f"echo {shlex.quote(backends.CHANGED)} >&2; exit {backends.CHANGED_EXIT}"
+        )
+        return ["sh", "-c", script, verified.path]
+
+    real = backends.guarded
+    backends.guarded = tests  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        backends.guarded = real
+
+
 class Psij:
     """PSI/J's SLURM executor on the local cluster, one ``submit`` at a time (``None`` if not installed)."""
 
@@ -525,6 +548,13 @@ async def one_at_a_time(
                     rate = 0.0
                 rates[key].append(rate)
                 n += count
+            if transport == "ssh" and args.sequential and args.shell_tests:
+                with directory_checked_by_shell_tests():
+                    rate, _ = await adapter_sequential(
+                        adapter, f"{run}{transport}", n, args.sequential, alone=True
+                    )
+                rates.setdefault("shell_tests", []).append(rate)
+                n += args.sequential
             if transport == "ssh" and args.sequential:  # the check of sbatch's answer as a new squeue command
                 rate, _ = await squeue_checked(adapter, f"{run}{transport}", n, args.sequential)
                 rates.setdefault("squeue_check", []).append(rate)
@@ -578,6 +608,10 @@ def print_table(results: list[dict[str, Any]]) -> None:
                 f"  (ssh: the adapter checking each answer with a new squeue command, as before: "
                 f"{_cell(result, 'squeue_check')}; the raw loop with the directory's check in each sbatch "
                 f"command: {_cell(result, 'raw_guarded')})"
+            )
+        if "shell_tests" in result["median_per_s"]:
+            print(
+                f"  (ssh, what-if: the directory checked by the shell's own tests: {_cell(result, 'shell_tests')})"
             )
         inside = result["median_per_s"].get("raw_in_account")
         if inside:
@@ -660,6 +694,11 @@ async def main() -> None:
     parser.add_argument("--concurrency", type=int, default=32, help="adapter submits in flight")
     parser.add_argument("--interval", type=float, default=1.0, help="StatusBatcher poll interval (s)")
     parser.add_argument("--rounds", type=int, default=5, help="polls per watcher")
+    parser.add_argument(
+        "--shell-tests",
+        action="store_true",
+        help="ssh: also the adapter with the directory's check made of the shell's own tests (a what-if)",
+    )
     parser.add_argument(
         "--ssh-parts",
         type=int,
