@@ -45,7 +45,7 @@ from virtengine_hpc.messages import (
 from virtengine_hpc.models import JobSpec, spec_digest
 from virtengine_hpc.signing import Signer
 from virtengine_hpc.states import JobState
-from virtengine_hpc.watch_batch import WATCH_MANY
+from virtengine_hpc.watch_batch import MONITOR_TAKES_BATCHES, WATCH_MANY
 from workers.poller import ChainPoller
 from workers.wiring import build_worker_deps, job_settings
 from workers.worker import make_worker
@@ -429,13 +429,26 @@ class OlderBuildsMonitor:
         return 0
 
 
+@workflow.defn(name=MONITOR_WORKFLOW_NAME, sandboxed=False)
+class OlderBuildsRunWithAnInheritedMemo(OlderBuildsMonitor):
+    """An older build's monitor run that continued a newer one (a rollback): the memo saying ``watch_many`` is
+    handled came with continue-as-new, and names the run before it."""
+
+    @workflow.run
+    async def run(self, inp: MonitorInput) -> int:
+        workflow.upsert_memo({MONITOR_TAKES_BATCHES: "the-run-before-this-one"})
+        await workflow.wait_condition(lambda: False)
+        return 0
+
+
+@pytest.mark.parametrize("older", [OlderBuildsMonitor, OlderBuildsRunWithAnInheritedMemo])
 async def test_an_older_builds_monitor_is_sent_the_one_signal_it_knows(
-    client: Client, task_queue: str
+    client: Client, task_queue: str, older: type
 ) -> None:
     """During an upgrade a job of the new build may register with a monitor run of the old build, which has no
     ``watch_many`` handler (a signal it does not know would wait unhandled and be lost with the run): it is sent one
-    ``watch`` per job, and it watches every one."""
-    async with Worker(client, task_queue=task_queue, workflows=[OlderBuildsMonitor]):
+    ``watch`` per job, and it watches every one; also when the run carries a memo of the run before it."""
+    async with Worker(client, task_queue=task_queue, workflows=[older]):
         try:
             await register(client, _registration(task_queue, 0))
             async with asyncio.timeout(30):
