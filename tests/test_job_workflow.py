@@ -510,6 +510,42 @@ async def test_every_report_period_of_a_run_costs_at_most_four_events_the_first_
     assert per_period <= 4, f"{len(events)} events for {records} records; {len(fixed)} without period records"
 
 
+async def test_the_safety_net_check_moves_with_the_monitors_records_instead_of_firing(pipe: Pipeline) -> None:
+    """A served job's safety-net check (``max_watch_seconds`` without news from its monitor) never fires while the
+    monitor's records arrive: the workflow task of a record that finds the check about to fire moves its timer
+    (a cancel and a start, 2 events), where the timer fired and started again (its firing, a workflow task and
+    the new timer, 5 events: once an hour, a quarter of an event a period at 5-minute reports).
+
+    Here the check is every 6 s, a record every second for 16 s."""
+    adapter(pipe).default = Script([(0, Q), (0.5, R), (16.0, C)], exit_code=0)
+    job_id = pipe.submit()
+    handle = await start_with_settings(
+        pipe, job_id, {"report_interval_seconds": 1.0, "max_watch_seconds": 6.0}
+    )
+    assert (await pipe.handle(job_id).result()).state == C
+    events = [e async for e in handle.fetch_history_events()]
+    signalled = [
+        n
+        for n, e in enumerate(events)
+        if e.workflow_execution_signaled_event_attributes.signal_name == "period_recorded"
+    ]
+    assert len(signalled) >= 10, len(signalled)
+    served = events[signalled[0] : signalled[-1]]
+    fired = [e.event_id for e in served if e.HasField("timer_fired_event_attributes")]
+    moved = [e.event_id for e in served if e.HasField("timer_canceled_event_attributes")]
+    assert fired == [] and moved, f"check fired at {fired}, moved at {moved}"
+    others = [
+        e.event_type
+        for e in served
+        if not e.HasField("workflow_execution_signaled_event_attributes")
+        and not e.HasField("workflow_task_scheduled_event_attributes")
+        and not e.HasField("workflow_task_started_event_attributes")
+        and not e.HasField("workflow_task_completed_event_attributes")
+    ]
+    # Each move: a cancel and a start; the run's first also records its patch marker and the upsert that goes with it.
+    assert len(others) <= 2 * len(moved) + 2, others
+
+
 async def test_a_short_job_costs_at_most_thirty_history_events(pipe: Pipeline) -> None:
     """A job that runs for a few seconds, from start to settlement, in at most 30 history events (60 before):
     routing, its lifecycle reports and its final record are local activities, one marker each, and the submission

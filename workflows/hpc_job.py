@@ -149,6 +149,10 @@ sends the first record of a run too (4 history events a period, where the job's 
 workflow task, a patch marker and its upsert, the local activity's marker, the next timer); a run records this one
 marker where it recorded ``PATCH_LOCAL_CHAIN_STEPS`` (implied, with ``PATCH_MONITOR_SENDS_PERIODS``). Decided once
 per run, so runs that began before it replay as they ran."""
+PATCH_CHECK_MOVES_WITH_RECORDS = "safety-check-moves-with-records"
+"""A served job's safety-net check that its monitor's records have since put off is moved in the workflow task of
+the record that finds it about to fire (a timer cancelled and started, 2 history events) instead of firing and
+starting again (5 events an hour, which kept a report period above 4 events on average)."""
 LOCAL_STEP_TIMEOUT = timedelta(seconds=10)
 LOCAL_STEP_ATTEMPTS = 3
 """A local step's attempts (each at most ``LOCAL_STEP_TIMEOUT``) before it runs as an ordinary activity: a local
@@ -193,6 +197,8 @@ class HPCJobWorkflow:
         self.observed: NativeStatus | None = None  # the monitor's latest news, not yet applied
         self._timer: asyncio.Future[None] | None = None
         self._timer_at: datetime | None = None
+        self._timer_checks = False  # the timer is for the safety-net check (nothing earlier to wake for)
+        self._moves_check: bool | None = None  # PATCH_CHECK_MOVES_WITH_RECORDS, asked at the first move
         # When this run last tried a period record, and last registered with its monitor or heard from it.
         self._report_tried_at: datetime | None = None
         self._report_failed_at: datetime | None = None
@@ -814,7 +820,7 @@ class HPCJobWorkflow:
         wake_at = min(
             t for t in (None if served else due, deadline, self._cancel_retry_at(), check_at) if t is not None
         )
-        await self._sleep_until(max(wake_at, now))
+        await self._sleep_until(max(wake_at, now), checks=wake_at == check_at)
         if self.observed is not None:
             status, self.observed = self.observed, None
             self._contact_at = workflow.now()
@@ -858,17 +864,27 @@ class HPCJobWorkflow:
             return self.c.cancel_retry_at
         return None
 
-    async def _sleep_until(self, wake_at: datetime) -> None:
-        """Until ``wake_at``, news from the monitor or a cancel: one timer lives on across the monitor's signals,
-        so news costs no timer events."""
+    async def _sleep_until(self, wake_at: datetime, *, checks: bool = False) -> None:
+        """Until ``wake_at`` (``checks``: the safety-net check), news from the monitor or a cancel: one timer lives
+        on across the monitor's signals, so news costs no timer events; a check the monitor's records put off is
+        moved by the record that finds it about to fire."""
         now = self._now()
-        if self._timer is None or self._timer.done() or self._timer_at is None or self._timer_at > wake_at:
+        replace = (
+            self._timer is None or self._timer.done() or self._timer_at is None or self._timer_at > wake_at
+        )
+        if not replace and self._check_put_off() and self._timer_at is not None and self._timer_at < wake_at:
+            if self._moves_check is None:
+                self._moves_check = workflow.patched(PATCH_CHECK_MOVES_WITH_RECORDS)
+            replace = self._moves_check
+        if replace:
             if self._timer is not None and not self._timer.done():
                 self._timer.cancel()
             delay = max(wake_at - now, _MIN_TIMER)
             self._timer = asyncio.ensure_future(workflow.sleep(delay))
             self._timer_at = now + delay
+            self._timer_checks = checks
         timer = self._timer
+        assert timer is not None
         # A job whose monitor sends its records wakes for nothing else while it runs: it also wakes to continue
         # as new, when its history (which grows with every record) is long or another build became current.
         await workflow.wait_condition(
@@ -877,8 +893,21 @@ class HPCJobWorkflow:
                 or self.observed is not None
                 or self._cancel_due()
                 or (self.c.reports_by_monitor and (self._history_is_long() or self._build_changed()))
+                or (self._moves_check is not False and self._check_put_off())
             )
         )
+
+    def _check_put_off(self) -> bool:
+        """The timer is for a safety-net check that news from the monitor has since put off, and would fire before
+        the monitor's next records are likely to arrive (two report intervals): moving it now, in the workflow task
+        that news came with, costs a cancel and a start, where letting it fire costs a workflow task of its own."""
+        if not self._timer_checks or self._timer is None or self._timer.done() or self._timer_at is None:
+            return False
+        if self._contact_at is None or not self.c.reports_by_monitor or self._fallen_back:
+            return False
+        check_at = self._contact_at + timedelta(seconds=self.settings.max_watch_seconds)
+        soon = self._timer_at - workflow.now() <= 2 * timedelta(seconds=self.settings.report_interval_seconds)
+        return soon and check_at > self._timer_at
 
     async def _register_with_monitor(self) -> None:
         registration = self._registration(self.c.state, None)
