@@ -45,6 +45,7 @@ from temporalio.exceptions import ApplicationError
 from temporalio.service import RPCError, RPCStatusCode
 
 from activities.attempts import Attempt, AttemptProgress, heartbeating
+from activities.group_commit import GroupCommit
 from activities.schedulers.base import NativeStatus, SchedulerAdapter
 from virtengine_hpc.activity_names import POLL_CLUSTER, WATCH_WITH_MONITOR
 from virtengine_hpc.errors import SchedulerError
@@ -391,28 +392,17 @@ class _Batcher:
 
     def __init__(self, monitor_id: str) -> None:
         self.monitor_id = monitor_id
-        self.waiting: list[tuple[WatchRegistration, asyncio.Future[None]]] = []
-        self.sending: asyncio.Task[None] | None = None
+        self.sends: GroupCommit[tuple[Client, WatchRegistration], None] = GroupCommit(
+            self._send, max_batch=MAX_WATCH_BATCH
+        )
 
     async def register(self, client: Client, registration: WatchRegistration) -> None:
-        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self.waiting.append((registration, future))
-        if self.sending is None or self.sending.done():
-            self.sending = asyncio.create_task(self._send_waiting(client))
-        await future
+        await self.sends.submit((client, registration))
 
-    async def _send_waiting(self, client: Client) -> None:
-        while self.waiting:
-            batch = [(r, f) for r, f in self.waiting[:MAX_WATCH_BATCH] if not f.done()]  # (done: caller gone)
-            del self.waiting[:MAX_WATCH_BATCH]
-            try:
-                if len(batch) > 1 and await self._send_batch(client, [r for r, _ in batch]):
-                    _settle(batch, None)
-                    continue
-            except Exception as exc:
-                _settle(batch, exc)
-                continue
-            await asyncio.gather(*(_register_one(client, r, f) for r, f in batch))
+    async def _send(self, batch: list[tuple[Client, WatchRegistration]]) -> list[BaseException | None]:
+        if len(batch) > 1 and await self._send_batch(batch[0][0], [r for _, r in batch]):
+            return [None] * len(batch)
+        return await asyncio.gather(*(_register_one(c, r) for c, r in batch), return_exceptions=True)
 
     async def _send_batch(self, client: Client, registrations: list[WatchRegistration]) -> bool:
         """One ``watch_many`` signal to a monitor run that handles it; False: there is none (send one by one)."""
@@ -444,19 +434,7 @@ class _Batcher:
         return described.run_id if taker == described.run_id else None
 
 
-def _settle(batch: list[tuple[WatchRegistration, asyncio.Future[None]]], exc: BaseException | None) -> None:
-    for _, future in batch:
-        if future.done():
-            continue
-        if exc is None:
-            future.set_result(None)
-        else:
-            future.set_exception(exc)
-
-
-async def _register_one(
-    client: Client, registration: WatchRegistration, future: asyncio.Future[None]
-) -> None:
+async def _register_one(client: Client, registration: WatchRegistration) -> None:
     """One registration by itself (signal-with-start of ``watch``). At most ``REGISTRATIONS_IN_FLIGHT`` leave
     this process at once for one monitor; one refused as busy, or timed out, is sent again after a backoff (a
     registration is idempotent: the monitor keeps the latest). A job that ended only leaves the watch set: a
@@ -470,12 +448,10 @@ async def _register_one(
         try:
             async with room:
                 await _register_once(client, registration)
-            _settle([(registration, future)], None)
             return
         except RPCError as exc:
             if exc.status not in _BUSY or attempt + 1 == BUSY_RETRIES:
-                _settle([(registration, future)], exc)
-                return
+                raise
             delay = BUSY_BACKOFF_SECONDS * 2**attempt
             log.info(
                 "monitor %s is busy (%s); registering %s again in %.1f s",
@@ -485,9 +461,6 @@ async def _register_one(
                 delay,
             )
             await asyncio.sleep(delay * random.uniform(0.5, 1.5))
-        except Exception as exc:
-            _settle([(registration, future)], exc)
-            return
 
 
 async def _register_once(client: Client, registration: WatchRegistration) -> None:

@@ -23,6 +23,7 @@ from temporalio import activity
 
 from activities.audit import AuditLog
 from activities.chain.node_ledger import NodeLedger
+from activities.group_commit import GroupCommit
 from activities.jobs import to_application_error
 from activities.schedulers.base import SchedulerAdapter
 from virtengine_hpc.activity_names import (
@@ -49,44 +50,27 @@ log = logging.getLogger(__name__)
 
 
 class MetadataBatcher:
-    """Coalesces concurrent metadata writes into one ledger transaction per ``window`` seconds."""
+    """Coalesces concurrent metadata writes into one ledger transaction per ``window`` seconds (a ``GroupCommit``
+    lingering ``window``; updates that arrive during a write go in the next one). ``batches`` counts the writes
+    that succeeded."""
 
     def __init__(self, ledger: NodeLedger, *, window: float = 0.05, max_batch: int = 500) -> None:
         self.ledger = ledger
         self.window = window
         self.max_batch = max_batch
-        self._pending: list[tuple[NodeMetadataUpdate, asyncio.Future[None]]] = []
-        self._flusher: asyncio.Task[None] | None = None
+        self._writes: GroupCommit[NodeMetadataUpdate, None] = GroupCommit(
+            self._write, max_batch=max_batch, linger=window
+        )
         self.batches = 0
 
     async def submit(self, update: NodeMetadataUpdate) -> None:
-        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._pending.append((update, future))
-        if len(self._pending) >= self.max_batch:
-            await self._flush()
-        elif self._flusher is None or self._flusher.done():
-            self._flusher = asyncio.create_task(self._flush_later())
-        await future
+        await self._writes.submit(update)
 
-    async def _flush_later(self) -> None:
-        await asyncio.sleep(self.window)
-        await self._flush()
-
-    async def _flush(self) -> None:
-        batch, self._pending = self._pending, []
-        if not batch:
-            return
-        try:
-            await asyncio.to_thread(self.ledger.record_metadata, [u for u, _ in batch])
-        except Exception as exc:  # every waiter sees the failure and its activity retries
-            for _, future in batch:
-                if not future.done():
-                    future.set_exception(exc)
-            return
+    async def _write(self, updates: list[NodeMetadataUpdate]) -> list[None]:
+        # A failure reaches every waiter, and its activity retries.
+        await asyncio.to_thread(self.ledger.record_metadata, updates)
         self.batches += 1
-        for _, future in batch:
-            if not future.done():
-                future.set_result(None)
+        return [None] * len(updates)
 
 
 class NodeActivities:

@@ -19,16 +19,17 @@ import asyncio
 import logging
 
 from activities.chain.client import ChainClient, UsageSubmitResult
+from activities.group_commit import GroupCommit
 from virtengine_hpc.errors import HPCError
 from virtengine_hpc.models import UsageRecord
 
 log = logging.getLogger(__name__)
 
-_Item = tuple[UsageRecord, "asyncio.Future[UsageSubmitResult]"]
-
 
 class UsageBatcher:
-    """One per worker. ``calls`` counts ``submit_usage`` calls and ``records`` the records they carried."""
+    """One per worker. ``calls`` counts ``submit_usage`` calls and ``records`` the records they carried.
+
+    A ``GroupCommit`` whose batches overlap: a full batch leaves at once, even while the one before is in flight."""
 
     def __init__(self, chain: ChainClient, batch_size: int, linger_seconds: float = 0.02) -> None:
         if batch_size < 1:
@@ -36,63 +37,35 @@ class UsageBatcher:
         self.chain = chain
         self.batch_size = batch_size
         self.linger = max(0.0, linger_seconds)
-        self._pending: list[_Item] = []
-        self._timer: asyncio.TimerHandle | None = None
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._sends: GroupCommit[UsageRecord, UsageSubmitResult] = GroupCommit(
+            self._send, max_batch=batch_size, linger=self.linger, overlap=True
+        )
         self.calls = 0
         self.records = 0
 
     async def submit(self, record: UsageRecord) -> UsageSubmitResult:
         """Send ``record`` with the next batch; the result names only this record (accepted or duplicate)."""
-        loop = asyncio.get_running_loop()
-        future: asyncio.Future[UsageSubmitResult] = loop.create_future()
-        self._pending.append((record, future))
-        if len(self._pending) >= self.batch_size:
-            self._flush()
-        elif self._timer is None:
-            self._timer = loop.call_later(self.linger, self._flush)
-        return await future
+        return await self._sends.submit(record)
 
-    def _flush(self) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
-        pending, self._pending = self._pending, []
-        for start in range(0, len(pending), self.batch_size):
-            task = asyncio.create_task(self._send(pending[start : start + self.batch_size]))
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
-
-    async def _send(self, batch: list[_Item]) -> None:
-        records = [record for record, _ in batch]
+    async def _send(self, records: list[UsageRecord]) -> list[UsageSubmitResult | BaseException]:
         self.calls += 1
         self.records += len(records)
         try:
             result = await self.chain.submit_usage(records)
         except HPCError as exc:
-            if len(batch) > 1 and not exc.transient:
-                log.info("usage batch of %d refused (%s); sending its records one by one", len(batch), exc)
-                await asyncio.gather(*(self._send([item]) for item in batch))
-                return
-            self._fail(batch, exc)
-            return
-        except Exception as exc:  # a client bug must not leave waiters hanging
+            if len(records) > 1 and not exc.transient:
+                log.info("usage batch of %d refused (%s); sending its records one by one", len(records), exc)
+                alone = await asyncio.gather(*(self._send([r]) for r in records), return_exceptions=True)
+                return [outcome if isinstance(outcome, BaseException) else outcome[0] for outcome in alone]
+            raise
+        except Exception:  # a client bug must not leave waiters hanging: every waiter gets it
             log.exception("usage submission failed")
-            self._fail(batch, exc)
-            return
+            raise
         accepted, duplicates = set(result.accepted), set(result.duplicates)
-        for record, future in batch:
-            rid = record.record_id
-            if not future.done():
-                future.set_result(
-                    UsageSubmitResult(
-                        accepted=[rid] if rid in accepted else [],
-                        duplicates=[rid] if rid in duplicates else [],
-                    )
-                )
-
-    @staticmethod
-    def _fail(batch: list[_Item], exc: BaseException) -> None:
-        for _, future in batch:
-            if not future.done():
-                future.set_exception(exc)
+        return [
+            UsageSubmitResult(
+                accepted=[r.record_id] if r.record_id in accepted else [],
+                duplicates=[r.record_id] if r.record_id in duplicates else [],
+            )
+            for r in records
+        ]

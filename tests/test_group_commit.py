@@ -576,3 +576,35 @@ async def test_a_registration_that_gives_up_is_not_sent_and_leaves_the_batch_to_
     await asyncio.gather(*waiting[1:])
     assert waiting[0].cancelled()
     assert client.batches == [["job-2", "job-3"]]
+
+
+# ---- fixed on the way to one primitive ------------------------------------------------------------------------------
+
+
+async def test_metadata_updates_arriving_during_a_write_are_written_without_waiting_for_another() -> None:
+    """An update that arrived while a write was in flight waited, unwritten, for the next update to come."""
+    ledger = MetadataLedger(held=True)
+    batcher = metadata_batcher(ledger, window=0.01)
+    first = await started(batcher.submit(metadata(1)))
+    await ledger.entered.wait()
+    second = await started(batcher.submit(metadata(2)))
+    assert ledger.release is not None
+    ledger.release.set()
+    await first
+    await asyncio.wait_for(second, 10)
+    assert ledger.writes == [["u1"], ["u2"]]
+
+
+async def test_metadata_the_caller_that_fills_a_batch_giving_up_leaves_the_write_to_the_others() -> None:
+    """The caller that filled a batch ran its write itself: cancelling it left the others of the batch waiting."""
+    ledger = MetadataLedger(held=True)
+    batcher = metadata_batcher(ledger, window=30, max_batch=3)
+    others = await all_started(batcher.submit(metadata(1)), batcher.submit(metadata(2)))
+    filler = await started(batcher.submit(metadata(3)))
+    await ledger.entered.wait()
+    filler.cancel()
+    await settle()
+    assert ledger.release is not None
+    ledger.release.set()
+    await asyncio.wait_for(asyncio.gather(*others), 10)
+    assert ledger.writes == [["u1", "u2", "u3"]] and batcher.batches == 1

@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Generic, Protocol, TypeVar
 
+from activities.group_commit import GroupCommit
 from activities.schedulers.base import (
     FILES_SHOWN,
     ListedJob,
@@ -135,66 +136,31 @@ async def retrying(operation: Callable[[], Awaitable[T]], backoff: Backoff, what
 
 
 class Coalescer(Generic[K, V]):
-    """Group commit for lookups: concurrent ``get`` calls made while a batch is in flight share the next batch.
+    """Group commit for lookups (``GroupCommit``): concurrent ``get`` calls made while a batch is in flight share
+    the next batch.
 
     One caller alone pays one query; a hundred concurrent callers pay one or two. ``fetch`` gets the distinct keys
     and returns the answers it has (a key it leaves out is answered ``None``); if it raises, every caller of that
-    batch gets the error.
+    batch gets the error. A query no caller waits for any more is stopped.
     """
 
     def __init__(self, fetch: Callable[[list[K]], Awaitable[dict[K, V]]], max_batch: int = 200) -> None:
         self._fetch = fetch
-        self._max_batch = max_batch
-        self._waiting: dict[K, list[asyncio.Future[V | None]]] = {}
-        self._runner: asyncio.Task[None] | None = None
-        self._in_flight: tuple[asyncio.Future[dict[K, V]], list[asyncio.Future[V | None]]] | None = None
-        self.batches = 0
+        self._group: GroupCommit[K, V | None] = GroupCommit(
+            self._answers, max_batch=max_batch, dedupe=True, stop_unwanted=True
+        )
+
+    @property
+    def batches(self) -> int:
+        """Queries started."""
+        return self._group.batches
 
     async def get(self, key: K) -> V | None:
-        future: asyncio.Future[V | None] = asyncio.get_running_loop().create_future()
-        self._waiting.setdefault(key, []).append(future)
-        if self._runner is None or self._runner.done():
-            self._runner = asyncio.create_task(self._drain())
-        try:
-            return await future
-        except asyncio.CancelledError:
-            self._abandon()
-            raise
+        return await self._group.submit(key)
 
-    def _abandon(self) -> None:
-        """A caller gave up (its attempt was cancelled): a query no caller waits for any more is stopped."""
-        if self._in_flight is not None:
-            fetch, futures = self._in_flight
-            if all(f.done() for f in futures):
-                fetch.cancel()
-
-    async def _drain(self) -> None:
-        while self._waiting:
-            keys = list(self._waiting)[: self._max_batch]
-            batch = {key: self._waiting.pop(key) for key in keys}
-            self.batches += 1
-            fetch = asyncio.ensure_future(self._fetch(keys))
-            self._in_flight = (fetch, [f for futures in batch.values() for f in futures])
-            try:
-                await asyncio.wait({fetch})
-            finally:
-                self._in_flight = None
-            if fetch.cancelled():
-                continue  # every caller of this batch gave up
-            try:
-                answers = fetch.result()
-            except BaseException as exc:
-                for futures in batch.values():
-                    for future in futures:
-                        if not future.done():
-                            future.set_exception(exc)
-                if not isinstance(exc, Exception):
-                    raise
-                continue
-            for key, futures in batch.items():
-                for future in futures:
-                    if not future.done():
-                        future.set_result(answers.get(key))
+    async def _answers(self, keys: list[K]) -> list[V | None]:
+        answers = await self._fetch(keys)
+        return [answers.get(key) for key in keys]
 
 
 @dataclass(frozen=True)
