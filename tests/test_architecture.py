@@ -51,17 +51,6 @@ LONG_MODULES = {
 MODULE_CYCLES = [
     # Issue 16, WP2: a shared helper moves to cli/common.py.
     {"virtengine_hpc.cli.ledger", "virtengine_hpc.cli.usage"},
-    # Issue 16, WP6: adapter packages import their adapter lazily (PEP 562), the registry is one table.
-    {
-        "activities.schedulers.slurm",
-        "activities.schedulers.slurm.adapter",
-        "activities.schedulers.slurm.backends",
-    },
-    {
-        "activities.schedulers.moab",
-        "activities.schedulers.moab.adapter",
-        "activities.schedulers.moab.backends",
-    },
 ]
 MODEL_COPY_IN_WORKFLOWS = {
     # Issue 16, WP7: workflow state changes through typed setters, whose keys mypy checks.

@@ -25,8 +25,9 @@ import pytest
 
 from activities.schedulers import local as local_module
 from activities.schedulers import local_supervisor as sup
-from activities.schedulers.base import NativeStatus, RefusedAdoption, SubmitRequest, registered
+from activities.schedulers.base import NativeStatus, RefusedAdoption, SubmitRequest
 from activities.schedulers.local import JOB_PATH, LocalAdapter, scheduler_job_id
+from activities.schedulers.registry import adapter_class
 from activities.tenant_accounts import AssignmentStore, TenantAccounts
 from tests.local_support import (
     JOB_PYTHON,
@@ -140,7 +141,7 @@ def shared() -> Path:
 
 
 def test_registered_by_name() -> None:
-    assert registered()["local"] is LocalAdapter
+    assert adapter_class("local") is LocalAdapter
 
 
 def test_a_worker_that_cannot_switch_users_refuses_tenant_accounts(

@@ -23,7 +23,8 @@ from activities.audit import AuditLog
 from activities.chain.client import ChainClient
 from activities.jobs import BodyResolver, JobActivities, script_only_body
 from activities.routing import CapacityProbe, RoutingEnforcer
-from activities.schedulers.base import SchedulerAdapter, registered
+from activities.schedulers.base import SchedulerAdapter
+from activities.schedulers.registry import adapter_class
 from virtengine_hpc.config import Config, Secrets, TemporalConfig
 from virtengine_hpc.errors import ConfigError, HPCError, SecurityError
 from virtengine_hpc.messages import JobSettings, RetrySettings
@@ -34,14 +35,6 @@ if TYPE_CHECKING:
     from workers.metrics import WorkerMetrics
 
 log = logging.getLogger(__name__)
-
-# Modules that register adapters with @register(name) when imported. Optional ones may be absent.
-ADAPTER_MODULES = {
-    "local": "activities.schedulers.local",
-    "slurm": "activities.schedulers.slurm",
-    "moab": "activities.schedulers.moab",
-    "ood": "activities.schedulers.ood",
-}
 
 
 class TemporalUnavailable(HPCError):
@@ -233,17 +226,7 @@ def build_adapter(config: Config, secrets: Secrets, cluster_id: str | None = Non
     cluster_id = cluster_id or config.hpc.cluster_id
     config = config.for_cluster(cluster_id)
     kind = config.hpc.scheduler_type
-    module = ADAPTER_MODULES.get(kind)
-    if module is None:
-        raise ConfigError(f"hpc.scheduler_type: unknown scheduler {kind!r}")
-    try:
-        importlib.import_module(module)
-    except ModuleNotFoundError as exc:
-        raise ConfigError(f"hpc.scheduler_type: the {kind} adapter is not available ({exc})") from None
-    factory = registered().get(kind)
-    if factory is None:
-        raise ConfigError(f"hpc.scheduler_type: no adapter registered as {kind!r}")
-    return factory.from_config(config, secrets, cluster_id)
+    return adapter_class(kind).from_config(config, secrets, cluster_id)
 
 
 def load_signer(secrets: Secrets) -> Signer:

@@ -61,13 +61,12 @@ __all__ = [
     "SubmitResult",
     "files_left_message",
     "hold_back_taken",
-    "register",
-    "registered",
 ]
 
 
 class SchedulerAdapter(abc.ABC):
-    """Base of every scheduler adapter. Subclasses register themselves by ``name``."""
+    """Base of every scheduler adapter. Each subclass carries in ``name`` the key it has in
+    ``activities/schedulers/registry.py``, the one table of adapters by ``scheduler_type``."""
 
     name: ClassVar[str] = ""
     #: How the template renderer launches parallel tasks on this scheduler (``srun``, ``mpirun``).
@@ -188,24 +187,6 @@ class SchedulerAdapter(abc.ABC):
 
     async def close(self) -> None:  # noqa: B027 - optional hook; most adapters hold nothing to release
         """Release connections (SSH sessions, HTTP pools)."""
-
-
-_REGISTRY: dict[str, type[SchedulerAdapter]] = {}
-
-
-def register(name: str) -> Callable[[type[SchedulerAdapter]], type[SchedulerAdapter]]:
-    """Class decorator: make an adapter constructible by name from the config's ``scheduler_type``."""
-
-    def wrap(cls: type[SchedulerAdapter]) -> type[SchedulerAdapter]:
-        cls.name = name
-        _REGISTRY[name] = cls
-        return cls
-
-    return wrap
-
-
-def registered() -> dict[str, type[SchedulerAdapter]]:
-    return dict(_REGISTRY)
 
 
 async def hold_back_taken(

@@ -50,7 +50,6 @@ from activities.schedulers.base import (
     SchedulerAdapter,
     SubmitRequest,
     SubmitResult,
-    register,
 )
 from activities.tenant_accounts import TenantAccounts
 from virtengine_hpc.config import Config, LocalSchedulerConfig, Secrets
@@ -162,7 +161,6 @@ def _dec(value: Any) -> Decimal:
     return Decimal(str(value)) if value is not None else Decimal(0)
 
 
-@register("local")
 class LocalAdapter(SchedulerAdapter):
     """Runs jobs on this host under detached supervisors; ``max_parallel_jobs`` at once, the rest queue.
 
@@ -170,6 +168,8 @@ class LocalAdapter(SchedulerAdapter):
     account (``accounts``), with resource limits; one that is not root can only run jobs as itself, which it does
     only with ``hpc.tenants.isolation: none``. The job never inherits the worker's environment.
     """
+
+    name = "local"
 
     mpi_launcher = "mpirun"
     #: How long ``submit`` waits for a concurrent submit's supervisor to claim the job before giving up (transient).

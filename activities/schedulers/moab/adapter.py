@@ -38,7 +38,6 @@ from activities.schedulers.base import (
     NativeStatus,
     SubmitRequest,
     hold_back_taken,
-    register,
 )
 from activities.schedulers.batch.base import (
     Backoff,
@@ -85,9 +84,10 @@ def mapped(job: p.MoabJob) -> Mapped:
     )
 
 
-@register("moab")
 class MoabAdapter(BatchSchedulerAdapter):
     """MOAB through a ``MoabBackend``; build it with ``from_config`` (or directly, in tests)."""
+
+    name = "moab"
 
     mpi_launcher = "mpirun"
 

@@ -18,7 +18,6 @@ session's reason carries the dashboard page where the tenant's session card (hos
 from __future__ import annotations
 
 import asyncio
-import importlib
 import logging
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Sequence
@@ -30,12 +29,11 @@ from activities.schedulers.base import (
     SubmitRequest,
     SubmitResult,
     hold_back_taken,
-    register,
-    registered,
 )
 from activities.schedulers.batch.base import AccountExecutors
 from activities.schedulers.batch.workdir import TenantDirs, remote_lstat
 from activities.schedulers.ood.oidc import OIDCClient
+from activities.schedulers.registry import adapter_class
 from activities.tenant_accounts import TenantAccounts
 from virtengine_hpc.config import Config, OODConfig, Secrets, TenantsConfig
 from virtengine_hpc.errors import ConfigError, JobNotFound, SecurityError
@@ -46,11 +44,6 @@ log = logging.getLogger(__name__)
 SESSION_TEMPLATE = "interactive-session"
 SESSIONS_PAGE = "/pun/sys/dashboard/batch_connect/sessions"
 ACTIVE_JOBS_PAGE = "/pun/sys/dashboard/activejobs"
-_MODULES = {
-    "slurm": "activities.schedulers.slurm",
-    "moab": "activities.schedulers.moab",
-    "local": "activities.schedulers.local",
-}
 
 
 def _user_key(scheduler: str, transport: str | None) -> str | None:
@@ -81,9 +74,10 @@ def split_id(scheduler_job_id: str) -> tuple[str, str, bool]:
     return parts[0], parts[1], len(parts) == 3
 
 
-@register("ood")
 class OODAdapter(SchedulerAdapter):
     """Submission through the underlying scheduler as the tenant's mapped cluster user, after an OIDC check."""
+
+    name = "ood"
 
     mpi_launcher = "mpirun"
 
@@ -102,8 +96,7 @@ class OODAdapter(SchedulerAdapter):
         self.cluster_id = cluster_id
         self.oidc = oidc
         self.underlying = self.ood.underlying_scheduler
-        importlib.import_module(_MODULES[self.underlying])
-        self._factory = registered()[self.underlying]
+        self._factory = adapter_class(self.underlying)
         self._adapters: dict[str, SchedulerAdapter] = {}
         self.dashboard = (self.ood.dashboard_url or "").rstrip("/")
         _user_key(self.underlying, getattr(getattr(config.hpc, self.underlying), "transport", None))

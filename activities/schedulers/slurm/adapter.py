@@ -48,7 +48,6 @@ from activities.schedulers.base import (
     NativeStatus,
     SubmitRequest,
     hold_back_taken,
-    register,
 )
 from activities.schedulers.batch.workdir import local_tenant_dirs
 from activities.schedulers.slurm import parsers as p
@@ -108,9 +107,10 @@ def _require_job_id(value: str) -> str:
     return value
 
 
-@register("slurm")
 class SlurmAdapter(BatchSchedulerAdapter):
     """SLURM through a ``SlurmBackend``; build it with ``from_config`` (or directly, in tests and benchmarks)."""
+
+    name = "slurm"
 
     mpi_launcher = "srun"
 
