@@ -12,7 +12,7 @@ What every batcher gets from here, the same way:
 * a failed call fails every caller of its batch with the call's error, and no caller of another batch;
 * a caller that gives up (its activity cancelled) cancels only its own wait: the call the others wait for goes on,
   and an item whose every caller has gone before its batch leaves is not sent;
-* ``linger``: the sender waits that long after the first item for others, unless a full batch waits;
+* ``linger``: a batch leaves once its oldest item has waited that long for others, or at once when full;
 * ``interval``: calls start at least that far apart (the status batcher's poll interval);
 * ``overlap``: a batch leaves without waiting for the call before it to end (usage records);
 * ``dedupe``: callers of equal items share one slot of the batch (lookups, job ids);
@@ -24,7 +24,6 @@ Nothing here is durable: a caller whose process dies never had an answer, and it
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import math
 from collections.abc import Awaitable, Callable, Hashable, Sequence
 from dataclasses import dataclass, field
@@ -41,6 +40,8 @@ Commit = Callable[[list[T]], Awaitable[Sequence[R | BaseException]]]
 @dataclass(eq=False)
 class _Slot(Generic[T, R]):
     item: T
+    since: float
+    """When its first caller handed it in (loop time)."""
     callers: list[asyncio.Future[R]] = field(default_factory=list)
 
     @property
@@ -82,7 +83,7 @@ class GroupCommit(Generic[T, R]):
         self._stop_unwanted = stop_unwanted
         self._waiting: dict[Hashable, _Slot[T, R]] = {}
         self._sender: asyncio.Task[None] | None = None
-        self._full = asyncio.Event()
+        self._full: asyncio.Future[None] | None = None  # the lingering sender waits on it (its own loop's)
         self._in_flight: list[tuple[asyncio.Future[Sequence[R | BaseException]], list[_Slot[T, R]]]] = []
         self._overlapping: set[asyncio.Task[None]] = set()
         self._last_start = -math.inf
@@ -92,9 +93,9 @@ class GroupCommit(Generic[T, R]):
         """``item``'s outcome from the next batch that carries it."""
         caller: asyncio.Future[R] = asyncio.get_running_loop().create_future()
         key: Hashable = item if self._dedupe else caller
-        self._waiting.setdefault(key, _Slot(item)).callers.append(caller)
-        if self._max_batch is not None and len(self._waiting) >= self._max_batch:
-            self._full.set()
+        self._waiting.setdefault(key, _Slot(item, asyncio.get_running_loop().time())).callers.append(caller)
+        if self._full is not None and not self._full.done() and self._is_full():
+            self._full.set_result(None)
         if self._sender is None or self._sender.done():
             self._sender = asyncio.create_task(self._send())
         try:
@@ -110,8 +111,8 @@ class GroupCommit(Generic[T, R]):
                     call.cancel()
 
     async def _send(self) -> None:
-        await self._lingering()
         while self._waiting:
+            await self._lingering()
             await self._paced()
             batch = self._take()
             if not batch:
@@ -126,13 +127,20 @@ class GroupCommit(Generic[T, R]):
                 await self._call(batch)
 
     async def _lingering(self) -> None:
-        if self._linger <= 0:
-            return
-        self._full.clear()
-        if self._max_batch is not None and len(self._waiting) >= self._max_batch:
-            return
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._full.wait(), self._linger)
+        """Wait until the oldest waiting item has waited ``linger``, or a full batch waits."""
+        loop = asyncio.get_running_loop()
+        while self._linger > 0 and self._waiting and not self._is_full():
+            left = next(iter(self._waiting.values())).since + self._linger - loop.time()
+            if left <= 0:
+                return
+            self._full = loop.create_future()
+            try:
+                await asyncio.wait({self._full}, timeout=left)
+            finally:
+                self._full = None
+
+    def _is_full(self) -> bool:
+        return self._max_batch is not None and len(self._waiting) >= self._max_batch
 
     async def _paced(self) -> None:
         wait = self._last_start + self._interval - asyncio.get_running_loop().time()

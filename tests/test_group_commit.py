@@ -357,6 +357,19 @@ async def test_usage_a_full_batch_leaves_at_once_even_while_the_one_before_is_in
     assert chain.calls == [ids[0:2], ids[2:4], ids[4:6]]
 
 
+async def test_usage_a_record_left_over_from_a_full_batch_waits_its_own_linger() -> None:
+    chain = UsageChain()
+    batcher = usage_batcher(chain, 2, linger=30)
+    ids = [usage_record(n).record_id for n in range(4)]
+    first, second, third = await all_started(*(batcher.submit(usage_record(n)) for n in range(3)))
+    await asyncio.gather(first, second)
+    await settle()
+    assert chain.calls == [ids[0:2]] and not third.done(), "the third is not sent alone at once"
+    await batcher.submit(usage_record(3))
+    assert (await third).accepted == [ids[2]]
+    assert chain.calls == [ids[0:2], ids[2:4]]
+
+
 async def test_usage_a_waiter_that_gives_up_leaves_the_call_to_the_others() -> None:
     gate = Gate()
     chain = UsageChain(gate)
