@@ -872,10 +872,13 @@ class HPCJobWorkflow:
         replace = (
             self._timer is None or self._timer.done() or self._timer_at is None or self._timer_at > wake_at
         )
-        if not replace and self._check_put_off() and self._timer_at is not None and self._timer_at < wake_at:
-            if self._moves_check is None:
+        if not replace and self._check_put_off() and self._timer_at is not None:
+            later = self._timer_at < wake_at
+            if later and self._moves_check is None:
                 self._moves_check = workflow.patched(PATCH_CHECK_MOVES_WITH_RECORDS)
-            replace = self._moves_check
+            replace = later and bool(self._moves_check)
+            if not replace:
+                self._timer_checks = False  # it fires when it must (or the run keeps it): nothing to wake for
         if replace:
             if self._timer is not None and not self._timer.done():
                 self._timer.cancel()
