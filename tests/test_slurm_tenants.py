@@ -400,6 +400,31 @@ async def test_over_ssh_a_login_without_a_running_scontrol_checks_each_answer_wi
         await adapter.close()
 
 
+async def test_over_ssh_a_controller_the_kept_scontrol_cannot_reach_is_no_reason_to_refuse_a_submission(
+    env: dict[str, Any],
+) -> None:
+    """The kept ``scontrol`` gets no record because the controller did not answer it (a restart, "Socket timed
+    out" under load: here it reads a slurm.conf whose controller port nobody listens on). That is not "the
+    controller does not hold the job": the answer is checked with ``squeue`` instead and the honest submission
+    stands, exactly one job of the workflow on the cluster and no security violation against its tenant."""
+    conf_dir = reachable_dir("dead-ctld")
+    conf = conf_dir / "slurm.conf"
+    text = Path(env["slurm_conf"]).read_text()
+    conf.write_text(text.replace(f"SlurmctldPort={env['controller_port']}", "SlurmctldPort=1"))
+    conf.chmod(0o644)
+    adapter = sc.adapter(env, "ssh", hold=True)
+    provider = ProviderCommands(adapter)
+    adapter.backend.job_records.argv = ["env", f"SLURM_CONF={conf}", "scontrol", "-o"]  # type: ignore[attr-defined]
+    wf = wid("dead-ctld")
+    try:
+        job = (await adapter.submit(request(wf, sc.ALICE))).scheduler_job_id
+        assert sc.controller_jobs_of(env, wf) == [job]
+        assert "squeue" in provider.seen, "the answer was checked with squeue"
+    finally:
+        await adapter.close()
+        shutil.rmtree(conf_dir, ignore_errors=True)
+
+
 async def test_closing_the_adapter_does_not_wait_for_a_check_the_login_node_never_answers(
     env: dict[str, Any],
 ) -> None:

@@ -222,8 +222,9 @@ class JobRecords:
 
     async def show_job(self, job_id: str) -> str:
         """What ``scontrol`` printed for ``job_id`` up to the end of its answer (its prompt and the echo of the
-        request included; a job the controller does not hold: no record, the error goes to standard error).
-        ``SchedulerUnavailable`` when ``scontrol`` cannot be started or does not answer in time."""
+        request included; a job the controller does not hold: no record, "Invalid job id" on standard error).
+        ``SchedulerUnavailable`` when ``scontrol`` cannot be started, does not answer in time, or says that
+        anything but the job's absence kept the record from it (a controller it cannot reach)."""
         if not job_id.isascii() or not job_id.isdigit():
             raise ValueError(f"not a job id: {job_id[:40]!r}")
         async with self._lock:
@@ -268,6 +269,7 @@ class _Stream:
         token = f"vehpc-end-{secrets.token_hex(16)}z"
         end = f"\n{token}\n".encode()
         deadline = time.monotonic() + timeout
+        errors = b""
         try:
             self.channel.sendall(f"show job {job_id}\nshow hostnames {token}\n".encode())
             while (at := (b"\n" + self.pending).find(end)) < 0:
@@ -278,10 +280,26 @@ class _Stream:
                 if not chunk:
                     raise EOFError("scontrol ended")
                 self.pending += chunk
-                while (
-                    self.channel.recv_stderr_ready()
-                ):  # errors ("Invalid job id") are not read, only drained
-                    self.channel.recv_stderr(65536)
+                while self.channel.recv_stderr_ready():
+                    errors += self.channel.recv_stderr(65536)
+            answer = self.pending[: max(0, at - 1)]
+            self.pending = self.pending[at - 1 + len(end) :]
+            if b"JobId=" not in answer:
+                # No record: scontrol said why on standard error, which may arrive after the end token. Only
+                # "Invalid job id" means the controller does not hold the job; any other error ("Unable to
+                # contact slurm controller", "Socket timed out") means nobody knows yet.
+                while b"\n" not in errors:
+                    self.channel.settimeout(max(0.001, deadline - time.monotonic()))
+                    chunk = self.channel.recv_stderr(65536)
+                    if not chunk:
+                        raise EOFError("scontrol ended")
+                    errors += chunk
+                said = errors.decode(errors="replace").strip()
+                if "Invalid job id specified" not in said:
+                    raise SchedulerUnavailable(
+                        f"scontrol over SSH could not answer for job {job_id}: {said[:200]}",
+                        command=["scontrol", "show", "job", job_id],
+                    )
         except TimeoutError:
             raise SchedulerUnavailable(
                 f"scontrol over SSH did not answer within {timeout:.0f} s",
@@ -291,8 +309,6 @@ class _Stream:
             raise SchedulerUnavailable(
                 f"scontrol over SSH failed: {exc}", command=["scontrol", "show", "job", job_id]
             ) from exc
-        answer = self.pending[: max(0, at - 1)]
-        self.pending = self.pending[at - 1 + len(end) :]
         return answer.decode(errors="replace")
 
 
