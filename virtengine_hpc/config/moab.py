@@ -8,7 +8,8 @@ from typing import Literal
 
 from pydantic import Field
 
-from virtengine_hpc.config.base import ACCOUNT_PATTERN, Duration, Section
+from virtengine_hpc.config.base import ACCOUNT_PATTERN, Section
+from virtengine_hpc.config.scheduler import AdapterRetries, CommandTimeout, JobPollInterval
 from virtengine_hpc.config.ssh import KnownHostsPath, SshKeyPath, SshPort
 
 
@@ -34,16 +35,9 @@ class MoabConfig(Section):
     default_queue: str = Field(
         "batch", pattern=r"^[A-Za-z0-9_.-]{1,64}$", description="Queue (class) for jobs that name none."
     )
-    job_poll_interval: Duration = Field(
-        timedelta(seconds=10),
-        description="How often the status of all of the cluster's active jobs is fetched (one query per interval).",
-    )
-    connection_timeout: Duration = Field(
-        timedelta(seconds=30), description="Longest wait for one scheduler command or request."
-    )
-    max_retries: int = Field(
-        3, ge=0, le=100, description="Retries of a transient scheduler failure inside one adapter call."
-    )
+    job_poll_interval: JobPollInterval = timedelta(seconds=10)
+    connection_timeout: CommandTimeout = timedelta(seconds=30)
+    max_retries: AdapterRetries = 3
     bin_dir: Path | None = Field(
         None,
         description="Directory of the MOAB client commands on the login host (e.g. /opt/moab/bin); default: the "

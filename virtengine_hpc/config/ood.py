@@ -10,6 +10,7 @@ from typing import Any, Literal
 from pydantic import Field, model_validator
 
 from virtengine_hpc.config.base import Duration, Section
+from virtengine_hpc.config.scheduler import JobPollInterval
 
 
 class OODConfig(Section):
@@ -34,10 +35,7 @@ class OODConfig(Section):
     underlying_scheduler: Literal["slurm", "moab", "local"] = Field(
         "slurm", description="The scheduler OOD submits to on this cluster."
     )
-    job_poll_interval: Duration = Field(
-        timedelta(seconds=10),
-        description="How often the status of all of the cluster's active jobs is fetched (one query per interval).",
-    )
+    job_poll_interval: JobPollInterval = timedelta(seconds=10)
     connection_timeout: Duration = Field(timedelta(seconds=30), description="Longest wait for one request.")
     oidc_issuer: str | None = Field(
         None,
